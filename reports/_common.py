@@ -1,0 +1,115 @@
+"""Formatting shared by the Markdown, HTML and JUnit renderers, so they agree on every number."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .model import STATUS_SEVERITY
+
+STATUS_LABEL = {
+    "passed": "passed",
+    "failed": "failed",
+    "waived": "waived",
+    "xpass": "unexpected pass",
+    "skipped": "skipped",
+    "not_applicable": "not applicable",
+    "error": "error",
+}
+STATUS_EMOJI = {
+    "passed": "✅",
+    "failed": "❌",
+    "waived": "🟡",
+    "xpass": "⚠️",
+    "skipped": "⏭️",
+    "not_applicable": "➖",
+    "error": "💥",
+}
+
+
+def fmt_num(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def fmt_score(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def sorted_clauses(clauses: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Worst news first, then by ID, so the eye lands on what needs doing."""
+    return sorted(clauses, key=lambda c: (STATUS_SEVERITY[c["status"]], c["id"]))
+
+
+def metric_overview(metric: Mapping[str, Any]) -> dict[str, Any]:
+    """min/mean/max (and count) of any metric kind; a series is pooled over its steps."""
+    kind = metric["kind"]
+    if kind == "scalar":
+        v = metric["value"]
+        return {"count": 1 if v is not None else 0, "min": v, "mean": v, "max": v, "steps": None}
+    entries = metric["values"] if kind == "series" else [metric]
+    present = [e for e in entries if e.get("count") and e.get("min") is not None]
+    count = sum(e["count"] for e in present)
+    return {
+        "count": count,
+        "min": min((e["min"] for e in present), default=None),
+        "max": max((e["max"] for e in present), default=None),
+        "mean": sum(e["mean"] * e["count"] for e in present) / count if count else None,
+        "steps": len(metric["steps"]) if kind == "series" else None,
+    }
+
+
+def iter_metrics(report: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str, Mapping]]:
+    """(clause, metric name, metric) in clause-ID order, then metric name."""
+    for clause in sorted(report["clauses"], key=lambda c: c["id"]):
+        for name in sorted(clause.get("metrics") or {}):
+            yield clause, name, clause["metrics"][name]
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested provenance as dotted key/value rows (packages.torch, device.name, ...)."""
+    if isinstance(obj, Mapping):
+        rows: list[tuple[str, Any]] = []
+        for key, value in obj.items():
+            rows.extend(flatten(value, f"{prefix}{key}."))
+        return rows
+    if isinstance(obj, list):
+        return [(prefix[:-1], ", ".join(str(v) for v in obj))]
+    return [(prefix[:-1], obj)]
+
+
+def kill_matrix_columns(kill_matrix: Mapping[str, Any]) -> list[str]:
+    cols: set[str] = set()
+    for m in kill_matrix["mutants"]:
+        cols.update(m["expected"])
+        cols.update(m["failed"])
+    return sorted(cols)
+
+
+def kill_cell(mutant: Mapping[str, Any], clause_id: str) -> str:
+    """'killed' (expected and failed), 'missed' (expected, passed), 'extra' (failed unasked)."""
+    expected, failed = clause_id in mutant["expected"], clause_id in mutant["failed"]
+    if expected and failed:
+        return "killed"
+    if expected:
+        return "missed"
+    if failed:
+        return "extra"
+    return ""

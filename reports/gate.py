@@ -1,0 +1,163 @@
+"""The release gate: one verdict per report, for CI to act on.
+
+The gate fails (exit code 1) when
+- a required clause failed or errored (a clause is required unless it says `"required": false`;
+  IDs passed in `required` must moreover be in the report and pass or be waived);
+- a waiver expired (by its `expired` flag, or because its date is before `today`: a waiver is a
+  promise dated when it is written, and the gate keeps it even for an old report);
+- a waived clause passed (`xpass`): the waiver is stale and would hide the next regression;
+- a clause was skipped: the framework marks `skipped` only where the clause applied, so a
+  declared capability went unchecked;
+- the run recorded `problems` (waivers naming no clause, ...);
+- against a baseline, a clause or test that passed there now fails or errors. A clause that is
+  waived now is excused, tests included: the waiver is the one reviewed, expiring way to accept a
+  failure, and without this the first run after adding one could never go green.
+
+Exit codes: 0 the gate passed; 1 the gate failed; 2 usage error or an unreadable/invalid report
+or baseline (a baseline for another backend included), so CI can tell "red" from "broken".
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .model import ReportValidationError, as_report
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_ACCEPTED = frozenset({"passed", "waived"})
+
+
+@dataclass
+class GateResult:
+    ok: bool
+    reasons: list[str] = field(default_factory=list)
+    exit_code: int = EXIT_OK
+
+    def render(self) -> str:
+        if self.ok:
+            return "gate: PASS"
+        head = "gate: FAIL" if self.exit_code == EXIT_FAILED else "gate: ERROR (usage)"
+        return "\n".join([head, *(f"  - {r}" for r in self.reasons)])
+
+
+def first_line(text: str | None, limit: int = 200) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _note(clause: Mapping[str, Any]) -> str:
+    msg = first_line(clause.get("message"))
+    return f": {msg}" if msg else ""
+
+
+def waiver_expired(waiver: Mapping[str, Any] | None, today: _dt.date) -> bool:
+    if not waiver:
+        return False
+    if waiver.get("expired"):
+        return True
+    try:
+        return _dt.date.fromisoformat(waiver["expires"]) < today
+    except (KeyError, ValueError):
+        return True  # an unreadable expiry cannot be honoured: treat it as lapsed
+
+
+def _passed_tests(report: Mapping[str, Any]) -> set[str]:
+    return {
+        t["nodeid"] for c in report["clauses"] for t in c["tests"] if t["outcome"] == "passed"
+    }
+
+
+def gate(
+    report: Mapping[str, Any] | str | Path,
+    baseline: Mapping[str, Any] | str | Path | None = None,
+    required: Iterable[str] | None = None,
+    *,
+    today: _dt.date | None = None,
+) -> GateResult:
+    """Judge `report` (a dict or a path), optionally against `baseline`; never raises on bad input."""
+    try:
+        report = as_report(report)
+    except ReportValidationError as exc:
+        return GateResult(False, [f"report: {exc}"], EXIT_USAGE)
+    if baseline is not None:
+        try:
+            baseline = as_report(baseline)
+        except ReportValidationError as exc:
+            return GateResult(False, [f"baseline: {exc}"], EXIT_USAGE)
+        if baseline["backend"] != report["backend"]:
+            return GateResult(
+                False,
+                [
+                    f"baseline is for backend {baseline['backend']!r}, "
+                    f"the report for {report['backend']!r}"
+                ],
+                EXIT_USAGE,
+            )
+    today = today or _dt.date.today()
+    reasons: list[str] = []
+    clauses = report["clauses"]
+    by_id = {c["id"]: c for c in clauses}
+    extra_required = list(dict.fromkeys(required or ()))
+
+    for c in clauses:
+        if c["status"] in ("failed", "error") and (
+            c.get("required", True) or c["id"] in extra_required
+        ):
+            reasons.append(f"required clause {c['id']} {c['status']}{_note(c)}")
+    for cid in extra_required:
+        c = by_id.get(cid)
+        if c is None:
+            reasons.append(f"required clause {cid} is not in the report")
+        elif c["status"] not in _ACCEPTED and c["status"] not in ("failed", "error"):
+            reasons.append(f"required clause {cid} did not pass (status {c['status']}){_note(c)}")
+    for c in clauses:
+        w = c.get("waiver")
+        if waiver_expired(w, today):
+            reasons.append(
+                f"waiver for {c['id']} expired on {w.get('expires')} ({w.get('category')}: "
+                f"{first_line(w.get('reason'))})"
+            )
+    for c in clauses:
+        if c["status"] == "xpass":
+            reasons.append(f"clause {c['id']} passed but is waived (xpass): remove the waiver")
+    for c in clauses:
+        if c["status"] == "skipped":
+            reasons.append(f"clause {c['id']} applies but was skipped{_note(c)}")
+    for problem in report.get("problems") or ():
+        reasons.append(f"problem: {problem}")
+
+    if baseline is not None:
+        old_status = {c["id"]: c["status"] for c in baseline["clauses"]}
+        for c in clauses:
+            if old_status.get(c["id"]) == "passed" and c["status"] in ("failed", "error"):
+                reasons.append(
+                    f"regression: clause {c['id']} passed in the baseline, now {c['status']}"
+                    f"{_note(c)}"
+                )
+        old_passed = _passed_tests(baseline)
+        seen: set[str] = set()
+        for c in clauses:
+            if c["status"] == "waived":
+                continue
+            for t in c["tests"]:
+                nodeid = t["nodeid"]
+                if nodeid in old_passed and t["outcome"] in ("failed", "error") and (
+                    nodeid not in seen
+                ):
+                    seen.add(nodeid)
+                    msg = first_line(t.get("message"))
+                    reasons.append(
+                        f"regression: test {nodeid} passed in the baseline, now {t['outcome']}"
+                        + (f": {msg}" if msg else "")
+                    )
+
+    if reasons:
+        return GateResult(False, reasons, EXIT_FAILED)
+    return GateResult(True, [], EXIT_OK)

@@ -1,0 +1,255 @@
+"""The report model: the versioned JSON schema, loading and validation, and metric summaries.
+
+The report is a plain dict (it round-trips through JSON unchanged), checked against
+`schema.json` and against the cross-field rules a schema cannot express (summary counts match the
+clauses, clause IDs are unique, series steps match their values, numbers are finite). Every
+renderer, `diff` and `gate` read only validated reports, so they can index without guarding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+
+# Clause statuses in schema order; renderers sort by STATUS_SEVERITY instead, worst first.
+STATUSES = ("passed", "failed", "waived", "xpass", "skipped", "not_applicable", "error")
+TEST_OUTCOMES = ("passed", "failed", "skipped", "error")
+WAIVER_CATEGORIES = ("backend-bug", "unsupported", "future")
+# Statuses that mean "the backend does not conform here, and nothing excuses it".
+FAILING = frozenset({"failed", "error", "xpass"})
+# Lower is shown first: what needs a reader's attention leads.
+STATUS_SEVERITY = {
+    "error": 0,
+    "failed": 1,
+    "xpass": 2,
+    "skipped": 3,
+    "waived": 4,
+    "passed": 5,
+    "not_applicable": 6,
+}
+QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+
+
+class ReportValidationError(ValueError):
+    """A report that does not match the schema; `path` is the JSON path of the first fault."""
+
+    def __init__(self, path: str, message: str, source: str | None = None):
+        self.path = path
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}invalid report at {path}: {message}")
+
+
+@cache
+def load_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def _json_path(parts: Iterable[Any]) -> str:
+    out = "$"
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def validate_report(obj: Any, source: str | None = None) -> None:
+    """Raise `ReportValidationError` naming the JSON path of the first fault, else return None.
+
+    Faults are ordered by path so the message is stable from run to run (jsonschema yields
+    errors in no promised order).
+    """
+    import jsonschema
+
+    validator_cls = jsonschema.Draft202012Validator
+    validator = validator_cls(load_schema(), format_checker=validator_cls.FORMAT_CHECKER)
+    errors = sorted(validator.iter_errors(obj), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        first = jsonschema.exceptions.best_match(errors) if len(errors) > 1 else errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ReportValidationError(_json_path(first.absolute_path), first.message + more, source)
+    _check_semantics(obj, source)
+
+
+def _check_semantics(report: Mapping[str, Any], source: str | None) -> None:
+    """The rules between fields: what a renderer or the gate would otherwise trip over."""
+    _check_finite(report, [], source)
+    seen: dict[str, int] = {}
+    for i, clause in enumerate(report["clauses"]):
+        if clause["id"] in seen:
+            raise ReportValidationError(
+                f"$.clauses[{i}].id",
+                f"duplicate clause id {clause['id']!r} (first at $.clauses[{seen[clause['id']]}])",
+                source,
+            )
+        seen[clause["id"]] = i
+        for name, metric in (clause.get("metrics") or {}).items():
+            if metric["kind"] == "series" and len(metric["steps"]) != len(metric["values"]):
+                raise ReportValidationError(
+                    f"$.clauses[{i}].metrics.{name}",
+                    f"{len(metric['steps'])} steps but {len(metric['values'])} values",
+                    source,
+                )
+    counts = Counter(c["status"] for c in report["clauses"])
+    summary = report["summary"]
+    for status in STATUSES:
+        if summary[status] != counts[status]:
+            raise ReportValidationError(
+                f"$.summary.{status}",
+                f"says {summary[status]} but {counts[status]} clauses have status {status!r}",
+                source,
+            )
+    if summary["total"] != len(report["clauses"]):
+        raise ReportValidationError(
+            "$.summary.total",
+            f"says {summary['total']} but the report has {len(report['clauses'])} clauses",
+            source,
+        )
+
+
+def _check_finite(node: Any, path: list[Any], source: str | None) -> None:
+    # json.dumps writes NaN/Infinity, which is not JSON: browsers and jq reject the file.
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ReportValidationError(_json_path(path), f"{node} is not a finite number", source)
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            _check_finite(value, [*path, key], source)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_finite(value, [*path, i], source)
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read and validate a report.json; every fault is a `ReportValidationError`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReportValidationError("$", f"cannot read: {exc.strerror or exc}", str(path)) from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportValidationError(
+            "$", f"not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", str(path)
+        ) from exc
+    validate_report(obj, source=str(path))
+    return obj
+
+
+def as_report(report_or_path: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Accept a report dict (validated here) or a path to one, so callers take either."""
+    if isinstance(report_or_path, (str, Path)):
+        return load_report(report_or_path)
+    validate_report(report_or_path)
+    return dict(report_or_path)
+
+
+def score(summary: Mapping[str, int]) -> float | None:
+    """(passed + waived) / applicable clauses, where applicable = total - not_applicable.
+
+    Waived clauses count for the backend: a waiver is a reviewed, dated exception, and the gate
+    (not the score) enforces its expiry. None when nothing applied: 0/0 is not a score.
+    """
+    applicable = summary["total"] - summary.get("not_applicable", 0)
+    if applicable <= 0:
+        return None
+    return (summary.get("passed", 0) + summary.get("waived", 0)) / applicable
+
+
+def summarize_clauses(clauses: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The `summary` block for a list of clauses (writers use it so counts cannot drift)."""
+    clauses = list(clauses)
+    counts = Counter(c["status"] for c in clauses)
+    summary: dict[str, Any] = {status: counts[status] for status in STATUSES}
+    summary["total"] = len(clauses)
+    summary["score"] = score(summary)
+    return summary
+
+
+def _as_float_array(values: Any):
+    """A float64 numpy copy of a tensor, array or iterable of float()-able values.
+
+    Tensors are detected by duck typing so this module never imports torch: bfloat16 has no
+    numpy dtype, so a tensor is widened to float64 on its own side first.
+    """
+    import numpy as np
+
+    if hasattr(values, "detach") and hasattr(values, "double"):
+        return values.detach().double().cpu().reshape(-1).numpy().copy()
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float64).reshape(-1)
+    if isinstance(values, (int, float)):
+        return np.asarray([float(values)], dtype=np.float64)
+    return np.asarray([float(v) for v in values], dtype=np.float64)
+
+
+def summarize_values(values: Any, histogram_bins: int | None = 30) -> dict[str, Any]:
+    """Summarize metric values (a tensor, array or iterable of numbers) as a distribution.
+
+    Quantiles use linear interpolation between order statistics (numpy's default, the same as
+    `torch.quantile`); `std` is the population standard deviation. NaN and inf are counted in
+    `nonfinite` and left out of the statistics (strict JSON cannot carry them, and one inf would
+    hide the shape of everything else). The histogram is log-binned when all values are positive
+    and span two decades or more, so a ratio whose tail reaches 1e3 still shows its bulk near 1.
+    Pass `histogram_bins=None` for the entries of a per-step series.
+    """
+    import numpy as np
+
+    arr = _as_float_array(values)
+    finite = arr[np.isfinite(arr)]
+    out: dict[str, Any] = {
+        "kind": "distribution",
+        "count": int(finite.size),
+        "nonfinite": int(arr.size - finite.size),
+    }
+    if finite.size == 0:
+        out.update(min=None, max=None, mean=None, std=None)
+        out["quantiles"] = {_qkey(q): None for q in QUANTILES}
+        if histogram_bins:
+            out["histogram"] = {"edges": [], "counts": [], "scale": "linear"}
+        return out
+    lo, hi = float(finite.min()), float(finite.max())
+    out.update(min=lo, max=hi, mean=float(finite.mean()), std=float(finite.std()))
+    out["quantiles"] = {_qkey(q): float(v) for q, v in zip(QUANTILES, np.quantile(finite, QUANTILES))}
+    if histogram_bins:
+        if lo > 0 and hi / lo >= 100:
+            edges = np.geomspace(lo, hi, histogram_bins + 1)
+            scale = "log"
+        else:
+            edges = np.histogram_bin_edges(finite, bins=histogram_bins)
+            scale = "linear"
+        counts, edges = np.histogram(finite, bins=edges)
+        out["histogram"] = {
+            "edges": [float(e) for e in edges],
+            "counts": [int(c) for c in counts],
+            "scale": scale,
+        }
+    return out
+
+
+def summarize_series(per_step: Mapping[int, Any] | Iterable[tuple[int, Any]]) -> dict[str, Any]:
+    """A per-step series metric from {step: values} (or (step, values) pairs), steps sorted."""
+    items = per_step.items() if isinstance(per_step, Mapping) else per_step
+    pairs = sorted((int(step), values) for step, values in items)
+    return {
+        "kind": "series",
+        "steps": [step for step, _ in pairs],
+        "values": [summarize_values(values, histogram_bins=None) for _, values in pairs],
+    }
+
+
+def scalar_metric(value: float) -> dict[str, Any]:
+    """A scalar metric; a NaN/inf value is stored as null (strict JSON has no NaN)."""
+    value = float(value)
+    return {"kind": "scalar", "value": value if math.isfinite(value) else None}
+
+
+def _qkey(q: float) -> str:
+    return repr(float(q))
