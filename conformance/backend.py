@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-SURFACES = ("transport", "codec", "trainer", "rollout")
+# transport, codec, trainer and rollout are the surfaces of DESIGN.md; meta (the BatchMeta algebra)
+# and batch_ops (truncate / pad / validate / stage inputs) are surfaces too, because that is where
+# several field defects lived (BACKGROUND.md section 3) and frameworks ship their own versions.
+SURFACES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout")
 
 # Capabilities a backend may declare. A clause that needs one applies only where it is declared;
 # a declared capability whose clause is skipped counts as a failure.
@@ -52,6 +55,8 @@ class Backend:
     description: str = ""
     transport: Callable[[], Any] | None = None
     codec: Callable[[], Any] | None = None
+    meta: Callable[[], type] | None = None
+    batch_ops: Callable[[], Any] | None = None
     trainer: Callable[..., Any] | None = None
     rollout: Callable[..., Any] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
@@ -119,8 +124,9 @@ def load_backend(spec: str) -> Backend:
     elif ":" in spec:
         target = spec
     else:
-        from rlconform.conformance.mutants import MUTANTS
+        from rlconform.conformance.mutants import load_all
 
+        MUTANTS = load_all()
         raise LookupError(
             f"unknown backend {spec!r}. Known backends: {', '.join(sorted(known))}; "
             f"mutants: mutant:<name> with name in {', '.join(sorted(MUTANTS))}; "

@@ -1,0 +1,62 @@
+"""The embedded reference backend: every surface, in process, no server."""
+
+from __future__ import annotations
+
+from rlconform.conformance.backend import CAPABILITIES, Backend
+
+
+def _transport():
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+    return InMemoryDataPlane()
+
+
+def _codec(pixel_dtype=None):
+    from rlconform.reference_impl.codec import ReferenceCodec
+
+    return ReferenceCodec(pixel_dtype)
+
+
+def _meta():
+    from rlconform.reference_impl.meta import BatchMeta
+
+    return BatchMeta
+
+
+def _batch_ops():
+    from rlconform.reference_impl.batch import BatchOps
+
+    return BatchOps()
+
+
+def _trainer(*args, **kwargs):
+    from rlconform.conformance.backends.reference_trainer import make_trainer
+
+    return make_trainer(*args, **kwargs)
+
+
+def _rollout(*args, **kwargs):
+    from rlconform.conformance.backends.reference_trainer import make_rollout
+
+    return make_rollout(*args, **kwargs)
+
+
+def build(**overrides) -> Backend:
+    """The reference backend, or a variant of it with some surfaces replaced (mutants do this)."""
+    parts = dict(
+        name="reference",
+        description="rlconform's reference implementation (in-memory data plane, "
+        "flattened-jagged codec, HF trainer and rollout)",
+        transport=_transport,
+        codec=_codec,
+        meta=_meta,
+        batch_ops=_batch_ops,
+        trainer=_trainer,
+        rollout=_rollout,
+        capabilities=frozenset(CAPABILITIES) - {"cuda"},
+    )
+    parts.update(overrides)
+    return Backend(**parts)
+
+
+backend = build()

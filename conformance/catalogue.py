@@ -1,0 +1,232 @@
+"""The clause catalogue: the one list of clauses that the tests, reports, docs and meta-tests read.
+
+Trainer and rollout clauses live in catalogue_trainer.py beside this file and are joined here;
+nothing else lists clauses.
+"""
+
+from __future__ import annotations
+
+from .clause import Clause
+
+B3 = "BACKGROUND.md s3: "
+
+_DATA_PLANE_CLAUSES = [
+    # -- transport ------------------------------------------------------------------------
+    Clause(
+        "DP-ROUNDTRIP",
+        "put then get MUST return every wire column of every family exactly: values, dtype, "
+        "shape and row boundaries, including None rows, media-free batches, uniform rows, "
+        "several segments with differing trailing dims and de-duplicated rows.",
+        "transport",
+        B3 + "rollout write kept only torch.Tensor values, silently dropping jagged packed "
+        "fields (prev_logprobs image-blind, token_mult_prob_error ~176)",
+        ("dropped_packed_on_write", "jagged_rows_truncated", "bf16_stored_as_fp32"),
+    ),
+    Clause(
+        "DP-LAYOUT",
+        "get MUST return each column in the layout it was written: dense as dense with its "
+        "shape, jagged as jagged, a 1-D column as (N,), restored only from what put recorded.",
+        "transport",
+        B3 + "key/value schema recorded a 1-D (N,) field as (1,) rows while storage held 0-d "
+        "rows: the backend returned jagged (1,) rows instead of (N,)",
+        ("scalar_rows_as_1", "uniform_jagged_densified", "dense_returned_jagged"),
+    ),
+    Clause(
+        "DP-TAGS",
+        "get MUST return tags 1:1 with the keys asked for, in the order asked, with the "
+        "values put.",
+        "transport",
+        B3 + "per-rank fetches lost the tags needed to rebuild flattened media",
+        ("tags_in_storage_order", "tags_dropped_on_get"),
+    ),
+    Clause(
+        "DP-MISSING",
+        "get of a missing partition, key or field MUST raise KeyError naming it (never a shorter "
+        "or empty result), and select_fields MUST be required.",
+        "transport",
+        "a shorter result silently shrinks a training batch; a default field list is how the "
+        "image-blind train fetch happened (BACKGROUND.md s3)",
+        ("short_result_on_missing_key", "empty_column_on_missing_field", "default_select_all"),
+    ),
+    Clause(
+        "DP-MERGE",
+        "a later put of new columns under existing keys MUST add them and keep the columns "
+        "and tags already stored.",
+        "transport",
+        "the driver writes advantages (and ranks write prev_logprobs) after the rollout write; "
+        "an overwriting put drops the media",
+        ("put_overwrites_row",),
+    ),
+    Clause(
+        "DP-CLEAR-ISOLATION",
+        "clear MUST remove exactly the keys (or the partition) it names, and partitions MUST be "
+        "isolated from each other.",
+        "transport",
+        "a step's clear that removes another step's (or another partition's) keys loses data",
+        ("clear_removes_partition", "partitions_shared"),
+        capabilities=("partitions",),
+    ),
+    Clause(
+        "DP-NO-ALIAS",
+        "stored data MUST NOT alias caller tensors: mutating a tensor after put, or a tensor "
+        "returned by get, MUST NOT change what a later get returns.",
+        "transport",
+        "an in-place op on a fetched batch (e.g. a dtype cast or mask fill) corrupts the "
+        "next rank's fetch",
+        ("aliasing_put", "aliasing_get"),
+    ),
+    # -- codec ----------------------------------------------------------------------------
+    Clause(
+        "WIRE-ROUNDTRIP",
+        "decode(encode(batch)) MUST equal the batch for every registered field of every family: "
+        "values, dtype, shapes, row boundaries, None rows, de-duplicated rows.",
+        "codec",
+        B3 + "decoder densified nested rows that happened to share a shape; encoder walked "
+        "physical segments instead of logical rows under media de-duplication",
+        ("densify_uniform_rows", "encode_physical_segments", "empty_rows_as_zero_length"),
+    ),
+    Clause(
+        "WIRE-TRANSPORT-ROUNDTRIP",
+        "decode(get(put(encode(batch)))) MUST equal the batch for every family through the "
+        "backend's transport.",
+        "transport",
+        B3 + "jagged media lost or reshaped between the rollout write and a rank's fetch",
+        ("dropped_packed_on_write", "jagged_rows_truncated", "tags_dropped_on_get"),
+    ),
+    Clause(
+        "WIRE-JAGGED",
+        "packed fields MUST travel as one jagged column whose row i holds exactly the values of "
+        "logical row i, with the segment shapes on row i's tag, even when every row has one "
+        "segment of one shape.",
+        "codec",
+        B3 + "decoder densified nested rows that happened to share a shape (row boundaries lost "
+        "whenever every sample has one image)",
+        ("densify_uniform_rows", "encode_physical_segments"),
+    ),
+    Clause(
+        "WIRE-NONE-ROWS",
+        "a row without media MUST decode as None, and a media-free batch MUST decode with every "
+        "row None, never as (0, ...) tensors.",
+        "codec",
+        B3 + "empty media rows decoded as (0, ...) tensors: an image-free shard gave "
+        "pixel_values of shape (0, ...) where legacy gave None",
+        ("empty_rows_as_zero_length",),
+    ),
+    Clause(
+        "WIRE-DTYPE",
+        "with a policy dtype set, pixel fields MUST arrive in it, integer geometry MUST never be "
+        "cast, and fields a family keeps in fp32 on purpose MUST stay fp32.",
+        "codec",
+        B3 + "rollout write dropped the pixel dtype cast: pixel_values crossed the wire fp32 "
+        "instead of bf16, 2x the largest column",
+        ("fp32_pixels", "casts_integer_geometry", "casts_kept_fp32_media"),
+        capabilities=("bfloat16",),
+    ),
+    Clause(
+        "WIRE-UNKNOWN-FIELD",
+        "encoding an unregistered field MUST raise KeyError naming it; nothing is dropped "
+        "silently.",
+        "codec",
+        B3 + "rollout write kept only known values, silently dropping the rest",
+        ("unknown_field_dropped",),
+    ),
+    Clause(
+        "WIRE-TAG-ALIGN",
+        "decode MUST reject tags that do not align with the rows (a missing, extra or "
+        "mismatched tag) with an error naming the field or row.",
+        "codec",
+        B3 + "metadata sharding dropped per-row tags; a decoder that trusts misaligned tags "
+        "rebuilds the wrong images",
+        ("decode_trusts_tags",),
+    ),
+    Clause(
+        "WIRE-REGISTRY-COVERAGE",
+        "every field that each family's real processor emits MUST be registered, and a batch "
+        "built from real processor output MUST round-trip through the codec.",
+        "codec",
+        B3 + "a static text-only field list missed the media fields",
+        ("unknown_field_dropped",),
+    ),
+    # -- meta -----------------------------------------------------------------------------
+    Clause(
+        "META-TAGS",
+        "subset, slice, concat, drop, with_fields and stamp_tags MUST keep tags 1:1 with keys and "
+        "in order, and never share tag objects between metas.",
+        "meta",
+        B3 + "metadata sharding for data parallelism dropped per-row tags",
+        ("meta_subset_drops_tags", "meta_concat_misaligns_tags", "meta_shares_tag_dicts"),
+    ),
+    Clause(
+        "META-DP-SHARD",
+        "shard_for_dp(world) MUST give disjoint shards that cover every key, carry each key's "
+        "tags and the extras, balance tokens, and an inverse permutation that restores order.",
+        "meta",
+        B3 + "metadata sharding for data parallelism dropped per-row tags",
+        ("dp_shard_drops_tags", "dp_shard_duplicates_key", "dp_shard_bad_inverse"),
+        capabilities=("dp",),
+    ),
+    # -- batch operations -----------------------------------------------------------------
+    Clause(
+        "BATCH-TRUNCATE",
+        "truncation to a micro-batch sequence length MUST leave packed fields untouched and "
+        "truncate every per-token field in step with input_ids.",
+        "batch_ops",
+        B3 + "truncate_tensors narrowed every >=2-D tensor on dim 1: wire-form pixel_values "
+        "silently cut, or narrow(): length > size",
+        ("truncate_narrows_media", "truncate_misses_per_token_map"),
+    ),
+    Clause(
+        "BATCH-PAD",
+        "padding to a sequence length MUST exclude packed fields (media bytes after == before) "
+        "and pad every per-token field to that length.",
+        "batch_ops",
+        B3 + "materialize padded every tensor's dim 1 to the token seqlen: pixel_values "
+        "inflated ~40x",
+        ("pad_media_to_seqlen",),
+    ),
+    Clause(
+        "BATCH-VALIDATE",
+        "the sequence-dim validator MUST accept packed fields whatever their dim 1 and reject a "
+        "per-token field misaligned with input_ids, naming it.",
+        "batch_ops",
+        B3 + "sequence-dim validator asserted dim 1 == seqlen on every tensor: AssertionError "
+        "got shape [32, 1, 3] (image_grid_thw) at step 1",
+        ("validator_checks_media_seqlen", "validator_accepts_misaligned"),
+    ),
+    Clause(
+        "BATCH-STAGE-FIELDS",
+        "the logprob, reference-logprob and train stages MUST receive the same multimodal field "
+        "set: exactly the registered multimodal fields present in the batch.",
+        "batch_ops",
+        B3 + "train fetch used a static text-only field list while the logprob fetch had images: "
+        "probs_ratio_max 216-2661, min 0.0, mean ~0.998",
+        ("train_inputs_text_only", "stage_inputs_drop_per_token_map"),
+    ),
+]
+
+
+def _all() -> list[Clause]:
+    clauses = list(_DATA_PLANE_CLAUSES)
+    try:
+        from .catalogue_trainer import TRAINER_CLAUSES
+    except ModuleNotFoundError as exc:  # the trainer catalogue is optional only while absent
+        if exc.name != f"{__package__}.catalogue_trainer":
+            raise
+    else:
+        clauses += TRAINER_CLAUSES
+    ids = [c.id for c in clauses]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"clause IDs defined twice: {dup}")
+    return clauses
+
+
+CLAUSES: list[Clause] = _all()
+BY_ID: dict[str, Clause] = {c.id: c for c in CLAUSES}
+
+
+def get(clause_id: str) -> Clause:
+    try:
+        return BY_ID[clause_id]
+    except KeyError:
+        raise KeyError(f"unknown clause {clause_id!r}; known: {', '.join(BY_ID)}") from None

@@ -1,0 +1,57 @@
+"""Comparisons the clause tests share; each failure message names the field and what differs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlconform.reference_impl.batch import Batch
+
+
+def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
+    """Why column `got` is not exactly `want` (layout, dtype, shape, rows, values), or None."""
+    if not isinstance(got, Tensor):
+        return f"column {name!r} came back as {type(got).__name__}, not a tensor"
+    if want.is_nested != got.is_nested:
+        lay = "jagged" if got.is_nested else f"dense {list(got.shape)}"
+        return f"column {name!r} came back {lay}; it was written " \
+               f"{'jagged' if want.is_nested else 'dense ' + str(list(want.shape))}"
+    if want.dtype != got.dtype:
+        return f"column {name!r} came back {got.dtype}, written {want.dtype}"
+    if want.is_nested:
+        a, b = want.unbind(), got.unbind()
+        if len(a) != len(b):
+            return f"column {name!r} has {len(b)} rows, written {len(a)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x.shape != y.shape:
+                return f"column {name!r} row {i} has shape {list(y.shape)}, written {list(x.shape)}"
+            if not torch.equal(x.cpu(), y.cpu()):
+                return f"column {name!r} row {i} values differ"
+        return None
+    if want.shape != got.shape:
+        return f"column {name!r} came back with shape {list(got.shape)}, written {list(want.shape)}"
+    if not torch.equal(want.cpu(), got.cpu()):
+        return f"column {name!r} values differ"
+    return None
+
+
+def assert_columns_equal(want: dict[str, Tensor], got: dict[str, Tensor]) -> None:
+    missing = sorted(set(want) - set(got))
+    assert not missing, f"columns {missing} missing from the result"
+    extra = sorted(set(got) - set(want))
+    assert not extra, f"unexpected columns {extra} in the result"
+    for name in want:
+        why = column_difference(name, want[name], got[name])
+        assert why is None, why
+
+
+def assert_batch_equal(want: Batch, got: Batch, context: str = "") -> None:
+    why = want.first_difference(got)
+    if why is None and set(want.fields) != set(got.fields):
+        why = f"fields {sorted(got.fields)}, expected {sorted(want.fields)}"
+    assert why is None, f"{context}{': ' if context else ''}{why}"
+
+
+def keys_for(n: int, prefix: str = "uid") -> list[str]:
+    """Per-sample keys as a rollout mints them: `<uid>_g<i>`."""
+    return [f"{prefix}{i // 4}_g{i % 4}" for i in range(n)]

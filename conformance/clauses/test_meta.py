@@ -1,0 +1,77 @@
+"""Meta clauses: tags stay 1:1 with keys through every meta operation and DP sharding."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ._check import keys_for
+
+
+def _meta(meta_cls, n: int, seed: int = 0):
+    lens = [((i * 7919 + seed) % 23) + 1 for i in range(n)]
+    tags = [{"row": i, "seq_len": lens[i], "pixel_values": {"shapes": [[4 * (i % 3 + 1), 1176]],
+                                                              "pack_dim": 0}}
+            for i in range(n)]
+    return meta_cls("rollout", keys_for(n), ["input_ids", "pixel_values"], lens, tags,
+                    {"step": 3})
+
+
+def _rows(meta) -> list:
+    return [(k, s, t["row"]) for k, s, t in zip(meta.keys, meta.seq_lens, meta.tags)]
+
+
+@pytest.mark.clause("META-TAGS")
+@given(n=st.integers(1, 12), data=st.data())
+def test_operations_keep_tags_aligned(meta_cls, n, data):
+    m = _meta(meta_cls, n)
+    full = _rows(m)
+    idx = data.draw(st.lists(st.integers(0, n - 1), unique=True), label="indices")
+    assert _rows(m.subset(idx)) == [full[i] for i in idx]
+    a, b = sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n)), label="slice"))
+    assert _rows(m.slice(a, b)) == full[a:b]
+    cut = data.draw(st.integers(0, n), label="cut")
+    joined = meta_cls.concat([m.slice(0, cut), m.slice(cut, n)])
+    assert _rows(joined) == full, "concat of two halves is not the whole"
+    assert _rows(m.drop("pixel_values")) == full
+    assert "pixel_values" not in m.drop("pixel_values").fields
+    added = m.with_fields("advantages")
+    assert _rows(added) == full and "advantages" in added.fields
+    stamped = m.stamp_tags([{"adv": i} for i in range(n)])
+    assert [t["adv"] for t in stamped.tags] == list(range(n))
+    assert _rows(stamped) == full
+    assert all("adv" not in t for t in m.tags), "stamp_tags changed the original meta's tags"
+
+
+@pytest.mark.clause("META-TAGS")
+def test_metas_do_not_share_tag_objects(meta_cls):
+    m = _meta(meta_cls, 4)
+    sub = m.subset([0, 1])
+    sub.tags[0]["pixel_values"]["shapes"].append([1, 1])
+    assert m.tags[0]["pixel_values"]["shapes"] == [[4, 1176]], \
+        "a subset's tag is the same object as the parent's"
+
+
+@pytest.mark.clause("META-DP-SHARD")
+@given(n=st.integers(1, 40), world=st.integers(1, 8), seed=st.integers(0, 1000))
+def test_dp_shards(meta_cls, n, world, seed):
+    m = _meta(meta_cls, n, seed)
+    shards, inverse = m.shard_for_dp(world)
+    assert len(shards) == world
+    flat = [k for s in shards for k in s.keys]
+    assert sorted(flat) == sorted(m.keys), "shards do not cover every key exactly once"
+    assert len(flat) == len(set(flat)), "a key is in two shards"
+    by_key = {k: (s, t) for k, s, t in zip(m.keys, m.seq_lens, m.tags)}
+    for s in shards:
+        assert len(s.tags) == len(s.keys), f"shard has {len(s.tags)} tags for {len(s.keys)} keys"
+        for k, sl, t in zip(s.keys, s.seq_lens, s.tags):
+            assert (sl, t) == by_key[k], f"key {k} lost its seq_len or tag in its shard"
+        assert s.extra.get("step") == 3, "shard lost the meta's extras"
+    restored = meta_cls.concat(shards).subset(inverse)
+    assert restored.keys == m.keys, "the inverse permutation does not restore the order"
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1, f"shard sizes {sizes} are unbalanced"
+    tokens = [sum(s.seq_lens) for s in shards]
+    assert max(tokens) - min(tokens) <= max(m.seq_lens), \
+        f"shard token counts {tokens} differ by more than the longest row"

@@ -1,0 +1,224 @@
+"""Transport clauses: the data plane returns what was put, in the layout it was put."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlconform.fixtures.strategies import batches
+from rlconform.fixtures.synthetic import build_batch, default_plan, media_families
+from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged
+
+from ._check import assert_batch_equal, assert_columns_equal, column_difference, keys_for
+
+FAMILIES = media_families()
+
+
+def _partition() -> str:
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _roundtrip_columns(transport, batch, pixel_dtype=None):
+    wire = ReferenceCodec(pixel_dtype).encode(batch)
+    keys, part = keys_for(len(batch)), _partition()
+    transport.put(part, keys, wire.columns, wire.tags)
+    cols, tags = transport.get(part, keys, select_fields=list(wire.columns))
+    return wire, cols, tags
+
+
+@pytest.mark.clause("DP-ROUNDTRIP")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_columns_roundtrip(transport, family):
+    wire, cols, tags = _roundtrip_columns(transport, build_batch(family, default_plan(family)))
+    assert_columns_equal(wire.columns, cols)
+    assert tags == wire.tags, "tags came back different from what was put"
+
+
+@pytest.mark.clause("DP-ROUNDTRIP")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_media_free_and_bf16_columns_roundtrip(transport, family):
+    """A whole media-free batch, and media cast to bf16 at write, come back exactly."""
+    from rlconform.fixtures.synthetic import RowPlan
+
+    free = build_batch(family, [RowPlan(3), RowPlan(5)])
+    wire, cols, _ = _roundtrip_columns(transport, free)
+    assert_columns_equal(wire.columns, cols)
+    wire, cols, _ = _roundtrip_columns(transport, build_batch(family, default_plan(family)),
+                                       pixel_dtype=torch.bfloat16)
+    assert_columns_equal(wire.columns, cols)
+
+
+@pytest.mark.clause("DP-ROUNDTRIP")
+@given(batch=batches())
+def test_property_columns_roundtrip(transport, batch):
+    wire, cols, tags = _roundtrip_columns(transport, batch)
+    assert_columns_equal(wire.columns, cols)
+    assert tags == wire.tags
+
+
+@pytest.mark.clause("WIRE-TRANSPORT-ROUNDTRIP")
+@given(batch=batches())
+def test_property_batch_roundtrip_through_transport(transport, codec, batch):
+    wire = codec.encode(batch)
+    keys, part = keys_for(len(batch)), _partition()
+    transport.put(part, keys, wire.columns, wire.tags)
+    cols, tags = transport.get(part, keys, select_fields=list(wire.columns))
+    assert_batch_equal(batch, codec.decode(WireBatch(cols, tags)), "after encode/put/get/decode")
+
+
+@pytest.mark.clause("WIRE-TRANSPORT-ROUNDTRIP")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_batch_roundtrip_through_transport_in_shards(transport, codec, family):
+    """Each DP rank fetches its own subset of keys, in its own order."""
+    batch = build_batch(family, default_plan(family) * 2)
+    wire = codec.encode(batch)
+    keys, part = keys_for(len(batch)), _partition()
+    transport.put(part, keys, wire.columns, wire.tags)
+    for idx in ([0, 2, 4, 6], [7, 5, 3, 1]):
+        cols, tags = transport.get(part, [keys[i] for i in idx], select_fields=list(wire.columns))
+        assert_batch_equal(batch.select(idx), codec.decode(WireBatch(cols, tags)),
+                           f"shard {idx}")
+
+
+def _layout_columns(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    lens = [0 if i % 3 == 1 else 1 + i for i in range(n)]
+    return {
+        "input_lengths": torch.arange(n, dtype=torch.long) + 1,  # 1-D (N,)
+        "advantages": torch.randn(n, generator=g),  # 1-D float
+        "rewards": torch.randn(n, 1, generator=g),  # (N, 1) must stay (N, 1)
+        "image_sizes": torch.randn(n, 3, 2, generator=g).to(torch.bfloat16),
+        "pixel_values": jagged([torch.randn(k, generator=g) for k in lens], torch.float32),
+        "input_ids": jagged([torch.arange(4) for _ in range(n)], torch.long),  # uniform jagged
+        "pixel_values_videos": torch.nested.nested_tensor(
+            [torch.randn(k, 4, generator=g) for k in lens], layout=torch.jagged),
+    }
+
+
+@pytest.mark.clause("DP-LAYOUT")
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_layout_preserved(transport, n):
+    cols = _layout_columns(n)
+    keys, part = keys_for(n), _partition()
+    transport.put(part, keys, cols)
+    got, _ = transport.get(part, keys, select_fields=list(cols))
+    assert_columns_equal(cols, got)
+
+
+@pytest.mark.clause("DP-LAYOUT")
+def test_layout_preserved_for_a_subset(transport):
+    cols = _layout_columns(5)
+    keys, part = keys_for(5), _partition()
+    transport.put(part, keys, cols)
+    got, _ = transport.get(part, [keys[3]], select_fields=list(cols))
+    for name, col in cols.items():
+        want = col[3:4] if not col.is_nested else torch.nested.nested_tensor(
+            [col.unbind()[3]], layout=torch.jagged)
+        why = column_difference(name, want, got[name])
+        assert why is None, why
+
+
+@pytest.mark.clause("DP-TAGS")
+def test_tags_follow_keys_in_request_order(transport):
+    n = 6
+    cols = {"advantages": torch.arange(n, dtype=torch.float32)}
+    tags = [{"row": i, "pixel_values": {"shapes": [[i + 1, 1176]], "pack_dim": 0}}
+            for i in range(n)]
+    keys, part = keys_for(n), _partition()
+    transport.put(part, keys, cols, tags)
+    for order in ([5, 0, 3], [1], list(range(n))[::-1]):
+        got_cols, got_tags = transport.get(part, [keys[i] for i in order],
+                                           select_fields=["advantages"])
+        assert len(got_tags) == len(order), f"{len(got_tags)} tags for {len(order)} keys"
+        assert got_tags == [tags[i] for i in order], f"tags out of step for order {order}"
+        assert got_cols["advantages"].tolist() == [float(i) for i in order]
+
+
+@pytest.mark.clause("DP-MISSING")
+def test_missing_partition_key_field_raise(transport):
+    keys, part = keys_for(3), _partition()
+    transport.put(part, keys, {"advantages": torch.zeros(3)}, [{}] * 3)
+    with pytest.raises(KeyError, match="nope-partition"):
+        transport.get("nope-partition", keys, select_fields=["advantages"])
+    with pytest.raises(KeyError, match="missing-key"):
+        transport.get(part, keys + ["missing-key"], select_fields=["advantages"])
+    with pytest.raises(KeyError, match="pixel_values"):
+        transport.get(part, keys, select_fields=["advantages", "pixel_values"])
+
+
+@pytest.mark.clause("DP-MISSING")
+def test_select_fields_required(transport):
+    keys, part = keys_for(2), _partition()
+    transport.put(part, keys, {"advantages": torch.zeros(2), "rewards": torch.ones(2)})
+    with pytest.raises((TypeError, ValueError)):
+        transport.get(part, keys)  # no select_fields: must not default to "everything"
+
+
+@pytest.mark.clause("DP-MERGE")
+def test_later_put_merges_columns_and_tags(transport):
+    batch = build_batch("qwen2_vl", default_plan("qwen2_vl"))
+    wire = ReferenceCodec().encode(batch)
+    keys, part = keys_for(len(batch)), _partition()
+    transport.put(part, keys, wire.columns, wire.tags)
+    adv = torch.arange(len(batch), dtype=torch.float32)
+    transport.put(part, keys, {"rewards": adv}, [{"scored": True}] * len(batch))
+    cols, tags = transport.get(part, keys, select_fields=[*wire.columns, "rewards"])
+    assert_columns_equal({**wire.columns, "rewards": adv}, cols)
+    assert tags == [{**t, "scored": True} for t in wire.tags], "merge lost or changed tags"
+
+
+@pytest.mark.clause("DP-CLEAR-ISOLATION")
+def test_clear_removes_exactly_what_it_names(transport):
+    keys = keys_for(4)
+    a, b = _partition(), _partition()
+    for p, base in ((a, 0.0), (b, 10.0)):
+        transport.put(p, keys, {"advantages": torch.arange(4) + base})
+    transport.clear(a, [keys[0], keys[2]])
+    assert sorted(transport.list(a)) == sorted([keys[1], keys[3]])
+    with pytest.raises(KeyError):
+        transport.get(a, [keys[0]], select_fields=["advantages"])
+    cols, _ = transport.get(b, keys, select_fields=["advantages"])
+    assert cols["advantages"].tolist() == [10.0, 11.0, 12.0, 13.0], "clear touched partition b"
+    transport.clear(a)
+    try:
+        left = transport.list(a)
+    except KeyError:
+        left = []
+    assert left == [], f"keys {left} survived clear of the partition"
+    assert sorted(transport.list(b)) == sorted(keys)
+
+
+@pytest.mark.clause("DP-CLEAR-ISOLATION")
+def test_partitions_are_isolated(transport):
+    keys = keys_for(2)
+    a, b = _partition(), _partition()
+    transport.put(a, keys, {"advantages": torch.tensor([1.0, 2.0])})
+    transport.put(b, keys, {"advantages": torch.tensor([3.0, 4.0])})
+    ga, _ = transport.get(a, keys, select_fields=["advantages"])
+    gb, _ = transport.get(b, keys, select_fields=["advantages"])
+    assert ga["advantages"].tolist() == [1.0, 2.0] and gb["advantages"].tolist() == [3.0, 4.0]
+    with pytest.raises(KeyError):  # a partition nobody wrote holds nothing
+        transport.get(_partition(), keys, select_fields=["advantages"])
+
+
+@pytest.mark.clause("DP-NO-ALIAS")
+@given(mutate=st.sampled_from(["caller_after_put", "result_of_get"]))
+def test_no_aliasing(transport, mutate):
+    dense = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    ragged = jagged([torch.ones(2), torch.ones(0), torch.ones(3)], torch.float32)
+    want = {"image_sizes": dense.clone(), "pixel_values": ragged.clone()}
+    keys, part = keys_for(3), _partition()
+    transport.put(part, keys, {"image_sizes": dense, "pixel_values": ragged})
+    if mutate == "caller_after_put":
+        dense.fill_(-1)
+        ragged.values().fill_(-1)
+    else:
+        got, _ = transport.get(part, keys, select_fields=list(want))
+        got["image_sizes"].fill_(-1)
+        got["pixel_values"].values().fill_(-1)
+    again, _ = transport.get(part, keys, select_fields=list(want))
+    assert_columns_equal(want, again)

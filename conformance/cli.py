@@ -1,0 +1,123 @@
+"""`rlconform`: run the suite, list backends and clauses, run the mutants, diff and gate reports.
+
+Exit codes: 0 success; 1 a clause failed / the gate failed / a mutant survived; 2 usage error or
+an invalid report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_run(a, extra) -> int:
+    from rlconform.conformance import runner
+
+    if a.backend == "all":
+        from rlconform.conformance.backends import BUNDLED
+
+        return runner.run_all(list(BUNDLED), extra, a.workers)
+    return runner.run(a.backend, extra, a.workers)
+
+
+def _cmd_backends(a, extra) -> int:
+    from rlconform.conformance.backend import known_backends, load_backend
+
+    for name, spec in sorted(known_backends().items()):
+        try:
+            b = load_backend(name).describe()
+            print(f"{name:24} surfaces: {', '.join(b['surfaces'])}")
+            print(f"{'':24} capabilities: {', '.join(b['capabilities']) or '-'}")
+        except Exception as exc:  # noqa: BLE001 - listing must go on past a broken backend
+            print(f"{name:24} ({spec}) cannot be loaded: {exc}")
+    return 0
+
+
+def _cmd_clauses(a, extra) -> int:
+    from rlconform.conformance.docs import clause_table
+
+    if a.format == "json":
+        from dataclasses import asdict
+
+        from rlconform.conformance.catalogue import CLAUSES
+
+        print(json.dumps([asdict(c) for c in CLAUSES], indent=2))
+    else:
+        print(clause_table())
+    return 0
+
+
+def _cmd_mutants(a, extra) -> int:
+    from rlconform.conformance.runner import kill_matrix
+
+    m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra)
+    survived = [r["name"] for r in m["mutants"] if not r["killed"]]
+    for r in m["mutants"]:
+        mark = "killed " if r["killed"] else "SURVIVED"
+        print(f"{mark} {r['name']:36} by {', '.join(r['failed']) or '-'}")
+    if m["clauses_without_kill"] and not a.only:
+        print(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
+    print(f"{len(m['mutants'])} mutants, {len(survived)} survived, {m['duration_s']} s; "
+          f"{a.report_dir}/mutants/kill_matrix.json")
+    return 1 if survived or (m["clauses_without_kill"] and not a.only) else 0
+
+
+def _load(path):
+    from rlconform.reports.model import load_report
+
+    return load_report(path)
+
+
+def _cmd_diff(a, extra) -> int:
+    from rlconform.reports.diff import diff_reports, render_diff
+
+    print(render_diff(diff_reports(_load(a.old), _load(a.new))))
+    return 0
+
+
+def _cmd_gate(a, extra) -> int:
+    from rlconform.reports.gate import gate
+
+    result = gate(_load(a.report), _load(a.baseline) if a.baseline else None)
+    print("gate: PASS" if result.ok else "gate: FAIL")
+    for r in result.reasons:
+        print(f"  - {r}")
+    return result.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlconform", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the clause suite against a backend; extra args go to "
+                                   "pytest (e.g. --profile ci --device cuda --dtype bfloat16)")
+    r.add_argument("--backend", default="reference", help="name, mutant:<name>, module:attr, "
+                                                          "or all (every bundled backend)")
+    r.add_argument("--workers", default="auto", help="pytest-xdist workers (0: in process)")
+    sub.add_parser("backends", help="list known backends, their surfaces and capabilities")
+    c = sub.add_parser("clauses", help="print the clause catalogue")
+    c.add_argument("--format", choices=["markdown", "json"], default="markdown")
+    m = sub.add_parser("mutants", help="run every mutant and write the kill matrix")
+    m.add_argument("--report-dir", default="reports/out")
+    m.add_argument("--jobs", type=int, default=None)
+    m.add_argument("--only", nargs="*", default=[])
+    d = sub.add_parser("diff", help="compare two report.json files")
+    d.add_argument("old")
+    d.add_argument("new")
+    g = sub.add_parser("gate", help="exit 0 only when the report may ship")
+    g.add_argument("report")
+    g.add_argument("--baseline", default=None)
+    a, extra = p.parse_known_args(argv)
+    handler = {"run": _cmd_run, "backends": _cmd_backends, "clauses": _cmd_clauses,
+               "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate}[a.cmd]
+    if extra and a.cmd not in ("run", "mutants"):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return handler(a, extra)
+    except (LookupError, ValueError) as exc:
+        print(f"rlconform {a.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

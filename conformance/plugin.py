@@ -1,0 +1,353 @@
+"""The rlconform pytest plugin: runs the clause tests against one backend and writes its report.
+
+Load it with `-p rlconform.conformance.plugin` (`rlconform run` does). It
+- loads the backend (`--backend`) and its waivers (`--expectations`);
+- ties every collected test to its clauses (`@pytest.mark.clause(ID, ...)`), marks tests of
+  clauses the backend does not declare as not applicable, and tests of waived clauses as
+  non-strict xfail (web-platform-tests style expectations);
+- derives each clause's status from its tests on the controller (xdist-safe: everything it needs
+  travels in the test reports' user_properties) and writes the report;
+- sets the exit status: non-zero when a clause failed, errored, passed while waived (xpass),
+  was skipped although declared, or a waiver is bad.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from rlconform.conformance import catalogue
+from rlconform.conformance.backend import Backend, load_backend
+from rlconform.conformance.waivers import load_waivers
+
+CLAUSE_PROP = "rlconform_clauses"
+METRIC_PROP = "rlconform_metric"
+NA_PREFIX = "not_applicable: "
+
+PROFILES = {
+    # dev: fast feedback while writing a backend
+    "dev": dict(max_examples=15, deadline=None, print_blob=True),
+    # ci: derandomized and bounded, so a run is reproducible and fits the CI budget
+    "ci": dict(max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True),
+    # nightly: large search on the GPU box
+    "nightly": dict(max_examples=300, deadline=None, print_blob=True),
+}
+
+
+def _register_profiles() -> None:
+    from hypothesis import HealthCheck, settings
+
+    common = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                         HealthCheck.function_scoped_fixture])
+    for name, kw in PROFILES.items():
+        settings.register_profile(f"rlconform-{name}", **common, **kw)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("rlconform", "rlconform conformance suite")
+    g.addoption("--backend", default="reference",
+                help="backend under test: a registered name, mutant:<name>, or module:attr")
+    g.addoption("--profile", default="dev", choices=sorted(PROFILES),
+                help="hypothesis profile: dev (fast), ci (derandomized, bounded), nightly")
+    g.addoption("--device", default="cpu", help="device for trainer clauses: cpu or cuda")
+    g.addoption("--dtype", default="float32", choices=["float32", "bfloat16"],
+                help="policy dtype (pixel fields, trainer)")
+    g.addoption("--seed", type=int, default=0, help="seed for models and fixtures")
+    g.addoption("--expectations", default=None,
+                help="waiver file (default: the backend's bundled expectations, if any)")
+    g.addoption("--replay", default=None,
+                help="re-run hypothesis tests with a failure blob from a report: VERSION:BLOB")
+    g.addoption("--report-dir", default="reports/out",
+                help="reports go to REPORT_DIR/<backend>/")
+    g.addoption("--no-report", action="store_true", help="write no report files")
+    g.addoption("--wandb", action="store_true",
+                help="log the summary, metrics and report files to wandb (offline by default)")
+
+
+class RlconformState:
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.backend: Backend = load_backend(config.getoption("--backend"))
+        self.waivers, self.problems = load_waivers(
+            self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
+        )
+        self.results: dict[str, dict] = {}
+        self.collected: dict[str, list[str]] = defaultdict(list)  # clause -> nodeids
+        self.started = time.time()
+        self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        self.report: dict | None = None
+
+    # registered as a plugin object: on the xdist controller this sees every worker's reports
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not hasattr(self.config, "workerinput"):
+            _logreport(self, report)
+
+
+def _state(config: pytest.Config) -> RlconformState:
+    return config.stash[_KEY]
+
+
+_KEY = pytest.StashKey[RlconformState]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "clause(*ids): ties a test to conformance clauses")
+    try:
+        st = RlconformState(config)
+    except (LookupError, TypeError, ValueError) as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    config.stash[_KEY] = st
+    config.pluginmanager.register(st, "rlconform-state")
+    _register_profiles()
+    from hypothesis import settings
+
+    settings.load_profile(f"rlconform-{config.getoption('--profile')}")
+
+
+def applicability(backend: Backend, clause) -> str | None:
+    """Why `clause` does not apply to `backend`, or None when it does."""
+    if not backend.provides(clause.surface):
+        return f"backend provides no {clause.surface!r} surface"
+    lacking = [c for c in clause.capabilities if c not in backend.capabilities]
+    if lacking:
+        return f"backend does not declare {lacking}"
+    return None
+
+
+def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None:
+    st = _state(config)
+    replay = config.getoption("--replay")
+    errors = []
+    for item in items:
+        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        if not ids:
+            errors.append(f"{item.nodeid} is tied to no clause (@pytest.mark.clause)")
+            continue
+        unknown = [i for i in ids if i not in catalogue.BY_ID]
+        if unknown:
+            errors.append(f"{item.nodeid} names unknown clauses {unknown}")
+            continue
+        item.user_properties.append((CLAUSE_PROP, ids))
+        for i in ids:
+            st.collected[i].append(item.nodeid)
+        reasons = [r for r in (applicability(st.backend, catalogue.BY_ID[i]) for i in ids) if r]
+        if reasons:
+            item.add_marker(pytest.mark.skip(reason=NA_PREFIX + "; ".join(sorted(set(reasons)))))
+            continue
+        waived = [st.waivers[i] for i in ids if i in st.waivers and not st.waivers[i].expired]
+        if waived:
+            item.add_marker(pytest.mark.xfail(strict=False, reason="waived: " + "; ".join(
+                f"{w.clause} ({w.category}): {w.reason}" for w in waived)))
+        if replay:
+            _apply_replay(item, replay)
+    if errors:
+        raise pytest.UsageError("clause tests are misdeclared:\n  " + "\n  ".join(errors))
+
+
+def _apply_replay(item, replay: str) -> None:
+    version, _, blob = replay.partition(":")
+    if not blob:
+        raise pytest.UsageError("--replay takes VERSION:BLOB as printed in the report")
+    fn = getattr(item, "obj", None)
+    if fn is not None and getattr(fn, "is_hypothesis_test", False):
+        fn._hypothesis_internal_use_reproduce_failure = (version, blob)
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+def _reference():
+    from rlconform.conformance.backends.reference import backend
+
+    return backend
+
+
+@pytest.fixture(scope="session")
+def backend(request) -> Backend:
+    return _state(request.config).backend
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _backend_session(request):
+    st = _state(request.config)
+    with st.backend.session():
+        yield
+
+
+def _surface(backend: Backend, name: str):
+    return getattr(backend, name) if backend.provides(name) else getattr(_reference(), name)
+
+
+@pytest.fixture
+def transport(backend):
+    t = _surface(backend, "transport")()
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def codec(backend):
+    return _surface(backend, "codec")()
+
+
+@pytest.fixture
+def meta_cls(backend):
+    return _surface(backend, "meta")()
+
+
+@pytest.fixture
+def batch_ops(backend):
+    return _surface(backend, "batch_ops")()
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    dev = request.config.getoption("--device")
+    if dev.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("--device cuda given but torch.cuda.is_available() is False")
+    return dev
+
+
+@pytest.fixture(scope="session")
+def dtype(request):
+    import torch
+
+    return getattr(torch, request.config.getoption("--dtype"))
+
+
+@pytest.fixture(scope="session")
+def profile(request) -> str:
+    return request.config.getoption("--profile")
+
+
+@pytest.fixture(scope="session")
+def seed(request) -> int:
+    return request.config.getoption("--seed")
+
+
+@pytest.fixture
+def record_metric(request):
+    """`record_metric(name, values, step=None)`: a distribution (tensor/list) or a scalar."""
+    from rlconform.reports.model import summarize_values
+
+    def record(name: str, values, step: int | None = None) -> None:
+        if isinstance(values, (int, float)):
+            entry = {"kind": "scalar", "value": float(values)}
+        else:
+            entry = summarize_values(values)
+        request.node.user_properties.append(
+            (METRIC_PROP, {"name": name, "step": step, "summary": entry}))
+
+    return record
+
+
+# -- results ----------------------------------------------------------------------------------
+_BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
+_EXAMPLE = re.compile(r"Falsifying example: (.*?)(?:\n\n|\Z)", re.S)
+
+
+def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
+    props = dict(report.user_properties)
+    if CLAUSE_PROP not in props:
+        return
+    r = st.results.setdefault(report.nodeid, {
+        "nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
+        "clauses": props[CLAUSE_PROP], "metrics": [], "hypothesis": None, "waived": False,
+    })
+    r["duration_s"] += report.duration
+    if report.when == "call":
+        r["metrics"] = [v for k, v in report.user_properties if k == METRIC_PROP]
+    wasxfail = getattr(report, "wasxfail", None)
+    if wasxfail is not None:
+        r["waived"] = True
+    if report.skipped and wasxfail is None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        r["outcome"] = "not_applicable" if reason.startswith(NA_PREFIX) else "skipped"
+        r["message"] = reason.removeprefix(NA_PREFIX)
+    elif report.failed or (report.skipped and wasxfail is not None):
+        # a waived test that failed arrives as skipped+wasxfail: record the real outcome
+        text = report.longreprtext or str(report.longrepr)
+        r["outcome"] = "error" if report.when != "call" else "failed"
+        r["message"] = _first_error_line(text)
+        blob, example = _BLOB.search(text), _EXAMPLE.search(text)
+        if blob or example:
+            r["hypothesis"] = {
+                "example": example.group(1).strip()[:4000] if example else "",
+                "blob": f"{blob.group(1)}:{blob.group(2)}" if blob else "",
+            }
+
+
+def _first_error_line(text: str) -> str:
+    lines = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    msg = " ".join(lines) if lines else text.strip().splitlines()[-1] if text.strip() else ""
+    return msg[:2000]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    st = _state(config)
+    from rlconform.conformance.report_builder import build_report
+
+    report = build_report(st, config)
+    report_dir = None
+    if not config.getoption("--no-report"):
+        report_dir = Path(config.getoption("--report-dir")) / _safe(st.backend.name)
+        from rlconform.conformance.report_builder import write
+
+        write(report, report_dir)
+        if config.getoption("--wandb"):
+            from rlconform.conformance.wandb_log import log_report
+
+            log_report(report, report_dir)
+    st.report = report
+    bad = {"failed", "error", "xpass", "skipped"}
+    failing = [c["id"] for c in report["clauses"] if c["status"] in bad]
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        _print_summary(tr, report, report_dir)
+    interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR,
+                                 pytest.ExitCode.INTERNAL_ERROR)
+    if interrupted:
+        return
+    collection_failed = session.testsfailed and not st.results
+    session.exitstatus = (pytest.ExitCode.TESTS_FAILED
+                          if failing or report["problems"] or collection_failed
+                          else pytest.ExitCode.OK)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
+    s = report["summary"]
+    tr.write_sep("=", f"rlconform: {report['backend']}")
+    for c in report["clauses"]:
+        if c["status"] != "passed":
+            tr.write_line(f"  {c['status'].upper():15} {c['id']}: {c['message'][:160]}")
+    for p in report["problems"]:
+        tr.write_line(f"  PROBLEM         {p}")
+    counts = ", ".join(f"{v} {k}" for k, v in s.items() if k not in ("total", "score") and v)
+    tr.write_line(f"  {s['total']} clauses: {counts}; score {s['score']:.2f}")
+    if report_dir is not None:
+        tr.write_line(f"  report: {report_dir}/report.html (.json, .md, junit.xml)")
+
+
+def pytest_report_header(config) -> list[str]:
+    st = config.stash.get(_KEY, None)
+    if st is None:
+        return []
+    b = st.backend
+    return [f"rlconform backend: {b.name} (surfaces: {', '.join(b.surfaces)}); "
+            f"profile {config.getoption('--profile')}, device {config.getoption('--device')}, "
+            f"dtype {config.getoption('--dtype')}, waivers: {len(st.waivers)}"]
+
