@@ -64,9 +64,12 @@ def _cmd_mutants(a, extra) -> int:
 
 
 def _load(path):
-    from rlconform.reports.model import load_report
+    from rlconform.reports.model import ReportValidationError, load_report
 
-    return load_report(path)
+    try:
+        return load_report(path)
+    except (OSError, ReportValidationError) as exc:
+        raise ValueError(f"cannot read report {path}: {exc}") from exc
 
 
 def _cmd_diff(a, extra) -> int:
@@ -79,10 +82,8 @@ def _cmd_diff(a, extra) -> int:
 def _cmd_gate(a, extra) -> int:
     from rlconform.reports.gate import gate
 
-    result = gate(_load(a.report), _load(a.baseline) if a.baseline else None)
-    print("gate: PASS" if result.ok else "gate: FAIL")
-    for r in result.reasons:
-        print(f"  - {r}")
+    result = gate(a.report, a.baseline)  # paths: an unreadable or invalid report exits 2
+    print(result.render())
     return result.exit_code
 
 

@@ -20,7 +20,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
 from rlconform.conformance import catalogue
 from rlconform.conformance.backend import Backend, load_backend
 from rlconform.conformance.waivers import load_waivers
@@ -65,6 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--report-dir", default="reports/out",
                 help="reports go to REPORT_DIR/<backend>/")
     g.addoption("--no-report", action="store_true", help="write no report files")
+    g.addoption("--surfaces", default=None,
+                help="comma-separated surfaces: run only the clauses of these surfaces")
     g.addoption("--wandb", action="store_true",
                 help="log the summary, metrics and report files to wandb (offline by default)")
 
@@ -123,6 +124,18 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
     st = _state(config)
     replay = config.getoption("--replay")
     errors = []
+    surfaces = config.getoption("--surfaces")
+    if surfaces:
+        keep_surfaces = set(surfaces.split(","))
+        kept, dropped = [], []
+        for item in items:
+            ids = [i for m in item.iter_markers("clause") for i in m.args]
+            on = any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in keep_surfaces
+                     for i in ids)
+            (kept if on else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if not ids:
@@ -234,11 +247,11 @@ def seed(request) -> int:
 @pytest.fixture
 def record_metric(request):
     """`record_metric(name, values, step=None)`: a distribution (tensor/list) or a scalar."""
-    from rlconform.reports.model import summarize_values
+    from rlconform.reports.model import scalar_metric, summarize_values
 
     def record(name: str, values, step: int | None = None) -> None:
         if isinstance(values, (int, float)):
-            entry = {"kind": "scalar", "value": float(values)}
+            entry = scalar_metric(values)
         else:
             entry = summarize_values(values)
         request.node.user_properties.append(
@@ -337,7 +350,8 @@ def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
     for p in report["problems"]:
         tr.write_line(f"  PROBLEM         {p}")
     counts = ", ".join(f"{v} {k}" for k, v in s.items() if k not in ("total", "score") and v)
-    tr.write_line(f"  {s['total']} clauses: {counts}; score {s['score']:.2f}")
+    score = "n/a" if s["score"] is None else f"{s['score']:.2f}"
+    tr.write_line(f"  {s['total']} clauses: {counts}; score {score}")
     if report_dir is not None:
         tr.write_line(f"  report: {report_dir}/report.html (.json, .md, junit.xml)")
 

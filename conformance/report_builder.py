@@ -15,7 +15,6 @@ from pathlib import Path
 from rlconform.conformance import catalogue
 
 SCHEMA_VERSION = "1.0"
-STATUSES = ("passed", "failed", "waived", "xpass", "skipped", "not_applicable", "error")
 KEY_PACKAGES = ("rlconform", "torch", "transformers", "tokenizers", "hypothesis", "pytest",
                 "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy")
 
@@ -150,13 +149,9 @@ def build_report(st, config) -> dict:
             "waiver": w.to_json() if w else None,
             "metrics": _metrics(tests),
         })
-    summary = {s: 0 for s in STATUSES}
-    for c in clauses:
-        summary[c["status"]] += 1
-    summary["total"] = len(clauses)
-    applicable = summary["total"] - summary["not_applicable"]
-    summary["score"] = round((summary["passed"] + summary["waived"]) / applicable, 4) \
-        if applicable else 0.0
+    from rlconform.reports.model import summarize_clauses
+
+    summary = summarize_clauses(clauses)
     problems = list(st.problems)
     if not st.results:
         problems.append("no clause test ran")

@@ -27,6 +27,13 @@ STATUS_EMOJI = {
 }
 
 
+def first_line(text: str | None, limit: int = 200) -> str:
+    """The first non-blank line, cut to `limit`: a one-line reason from a traceback-sized text."""
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    line = lines[0].strip() if lines else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def fmt_num(value: Any) -> str:
     if value is None:
         return "—"
@@ -54,8 +61,11 @@ def fmt_score(value: float | None) -> str:
 
 
 def sorted_clauses(clauses: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Worst news first, then by ID, so the eye lands on what needs doing."""
-    return sorted(clauses, key=lambda c: (STATUS_SEVERITY[c["status"]], c["id"]))
+    """Worst news first (required before advisory), then by ID: the eye lands on what to do."""
+    return sorted(
+        clauses,
+        key=lambda c: (STATUS_SEVERITY[c["status"]], not c.get("required", True), c["id"]),
+    )
 
 
 def metric_overview(metric: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .gate import first_line
+from ._common import first_line
 from .model import FAILING, as_report
 
 # probs_ratio = exp(logp_train - logp_prev). Where the suite asserts it (one inner step, same
@@ -201,7 +201,9 @@ def diff_reports(
         if (c.get("waiver") or {}).get("expired") and not (o.get("waiver") or {}).get("expired"):
             w = c["waiver"]
             result.waivers_expired.append(
-                ClauseChange(cid, o["status"], c["status"], f"expired {w['expires']}: {w['reason']}")
+                ClauseChange(
+                    cid, o["status"], c["status"], f"expired {w['expires']}: {w['reason']}"
+                )
             )
         for name, metric in (c.get("metrics") or {}).items():
             old_metric = (o.get("metrics") or {}).get(name)
@@ -243,9 +245,10 @@ def _fmt_score(value: float | None) -> str:
 
 def render_diff(result: DiffResult) -> str:
     """Plain text for a terminal or a CI log, regressions first."""
+    old_c, new_c = (c[:12] if c else "?" for c in (result.old_commit, result.new_commit))
     commits = ""
     if result.old_commit or result.new_commit:
-        commits = f" ({result.old_commit or '?'} -> {result.new_commit or '?'})"
+        commits = f" (commit {new_c})" if old_c == new_c else f" ({old_c} -> {new_c})"
     lines = [
         f"rlconform diff: {result.backend}{commits}",
         f"score {_fmt_score(result.old_score)} -> {_fmt_score(result.new_score)}",

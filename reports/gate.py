@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._common import first_line
 from .model import ReportValidationError, as_report
 
 EXIT_OK = 0
@@ -47,11 +48,6 @@ class GateResult:
         return "\n".join([head, *(f"  - {r}" for r in self.reasons)])
 
 
-def first_line(text: str | None, limit: int = 200) -> str:
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def _note(clause: Mapping[str, Any]) -> str:
     msg = first_line(clause.get("message"))
     return f": {msg}" if msg else ""
@@ -69,9 +65,7 @@ def waiver_expired(waiver: Mapping[str, Any] | None, today: _dt.date) -> bool:
 
 
 def _passed_tests(report: Mapping[str, Any]) -> set[str]:
-    return {
-        t["nodeid"] for c in report["clauses"] for t in c["tests"] if t["outcome"] == "passed"
-    }
+    return {t["nodeid"] for c in report["clauses"] for t in c["tests"] if t["outcome"] == "passed"}
 
 
 def gate(
@@ -135,8 +129,10 @@ def gate(
 
     if baseline is not None:
         old_status = {c["id"]: c["status"] for c in baseline["clauses"]}
+        regressed = set()
         for c in clauses:
             if old_status.get(c["id"]) == "passed" and c["status"] in ("failed", "error"):
+                regressed.add(c["id"])
                 reasons.append(
                     f"regression: clause {c['id']} passed in the baseline, now {c['status']}"
                     f"{_note(c)}"
@@ -144,12 +140,14 @@ def gate(
         old_passed = _passed_tests(baseline)
         seen: set[str] = set()
         for c in clauses:
-            if c["status"] == "waived":
-                continue
+            if c["status"] == "waived" or c["id"] in regressed:
+                continue  # excused, or already told at clause level
             for t in c["tests"]:
                 nodeid = t["nodeid"]
-                if nodeid in old_passed and t["outcome"] in ("failed", "error") and (
-                    nodeid not in seen
+                if (
+                    nodeid in old_passed
+                    and t["outcome"] in ("failed", "error")
+                    and (nodeid not in seen)
                 ):
                     seen.add(nodeid)
                     msg = first_line(t.get("message"))

@@ -19,12 +19,14 @@ from ._common import (
     fmt_score,
     iter_metrics,
     kill_matrix_columns,
+    metric_overview,
     sorted_clauses,
 )
 from .gate import gate
 from .model import STATUSES
 
 MESSAGE_LIMIT = 1500  # per failure message: a traceback-sized message must not bury the rest
+TESTS_LIMIT = 5  # failing tests listed per clause; a parametrized clause can fail dozens
 NOTE_LIMIT = 120  # the clause table's note column stays one line wide
 
 
@@ -39,9 +41,8 @@ def escape(text: Any, limit: int | None = None) -> str:
 
 
 def _code(text: str) -> str:
-    """An inline code span that survives backticks and pipes inside `text`."""
-    text = text.replace("|", "\\|")
-    ticks = "`" * (max((len(run) for run in text.split("`")[1::1] if not run), default=0) + 1)
+    """An inline code span (outside tables) that survives backticks inside `text`."""
+    text = " ".join(text.split())
     run = 1
     while "`" * run in text:
         run += 1
@@ -72,7 +73,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines.append(f"## rlconform · {_code(report['backend'])} · {badge}")
     lines.append("")
     counts = " · ".join(
-        f"{summary[s]} {STATUS_LABEL[s]}" for s in STATUSES if summary[s] or s in ("passed",)
+        f"{summary[s]} {STATUS_LABEL[s]}"
+        for s in STATUSES
+        if summary[s] or s in ("passed", "failed")
     )
     lines.append(f"**score {fmt_score(summary['score'])}** · {counts} · {summary['total']} clauses")
     lines.append("")
@@ -82,7 +85,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(f"- {escape(r)}" for r in verdict.reasons)
         lines.append("")
 
-    failing = [c for c in sorted_clauses(report["clauses"]) if c["status"] in ("failed", "error", "xpass")]
+    failing = [
+        c for c in sorted_clauses(report["clauses"]) if c["status"] in ("failed", "error", "xpass")
+    ]
     if failing:
         lines.append("### Failures")
         lines.append("")
@@ -96,11 +101,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
             if c["message"]:
                 lines.append(f"  <br>{escape(c['message'], MESSAGE_LIMIT)}")
-            for t in c["tests"]:
-                if t["outcome"] not in ("failed", "error"):
-                    continue
-                msg = escape(t.get("message"), MESSAGE_LIMIT)
-                lines.append(f"  - {_code(t['nodeid'])} {t['outcome']}" + (f": {msg}" if msg else ""))
+            bad = [t for t in c["tests"] if t["outcome"] in ("failed", "error")]
+            for t in bad[:TESTS_LIMIT]:
+                same = (t.get("message") or "").strip() == c["message"].strip()
+                msg = "" if same else escape(t.get("message"), MESSAGE_LIMIT)
+                lines.append(
+                    f"  - {_code(t['nodeid'])} {t['outcome']}" + (f": {msg}" if msg else "")
+                )
                 hyp = t.get("hypothesis") or {}
                 if hyp.get("example") or hyp.get("blob"):
                     body = (hyp.get("example") or "").rstrip()
@@ -108,6 +115,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                         body += ("\n\n" if body else "") + hyp["blob"]
                     fences.append(f"**{escape(t['nodeid'])}** (shrunk example, replay blob)")
                     fences.extend(_fence(body))
+            if len(bad) > TESTS_LIMIT:
+                lines.append(f"  - … and {len(bad) - TESTS_LIMIT} more failing tests")
         lines.append("")
         if fences:
             lines.extend(fences)
@@ -153,14 +162,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines.append("")
 
     metric_rows = []
-    from ._common import metric_overview
-
     for clause, name, metric in iter_metrics(report):
         o = metric_overview(metric)
         kind = metric["kind"] + (f" ({o['steps']} steps)" if o["steps"] is not None else "")
         metric_rows.append(
-            [escape(clause["id"]), escape(name), kind, fmt_num(o["count"]),
-             fmt_num(o["min"]), fmt_num(o["mean"]), fmt_num(o["max"])]
+            [
+                escape(clause["id"]),
+                escape(name),
+                kind,
+                fmt_num(o["count"]),
+                fmt_num(o["min"]),
+                fmt_num(o["mean"]),
+                fmt_num(o["max"]),
+            ]
         )
     if metric_rows:
         lines.append("### Metrics")
@@ -172,8 +186,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         mutants = km["mutants"]
         killed = sum(m["killed"] for m in mutants)
         lines.append("### Mutant kill matrix")
-        lines.append(f"{killed}/{len(mutants)} mutants killed across "
-                     f"{len(kill_matrix_columns(km))} clauses.")
+        lines.append(
+            f"{killed}/{len(mutants)} mutants killed across {len(kill_matrix_columns(km))} clauses."
+        )
         lines.append("")
         rows = []
         for m in sorted(mutants, key=lambda m: (m["killed"], m["name"])):
@@ -188,7 +203,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     escape(", ".join(extra) or "—"),
                 ]
             )
-        lines.extend(_table(["Mutant", "Result", "Expected to fail", "Missed", "Also failed"], rows))
+        lines.extend(
+            _table(["Mutant", "Result", "Expected to fail", "Missed", "Also failed"], rows)
+        )
         lines.append("")
 
     prov = report["provenance"]

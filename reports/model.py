@@ -36,6 +36,7 @@ STATUS_SEVERITY = {
     "not_applicable": 6,
 }
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+SCORE_ROUNDING = 0.005
 
 
 class ReportValidationError(ValueError):
@@ -53,6 +54,14 @@ def load_schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
+@cache
+def _validator():
+    import jsonschema
+
+    cls = jsonschema.Draft202012Validator
+    return cls(load_schema(), format_checker=cls.FORMAT_CHECKER)
+
+
 def _json_path(parts: Iterable[Any]) -> str:
     out = "$"
     for part in parts:
@@ -61,16 +70,14 @@ def _json_path(parts: Iterable[Any]) -> str:
 
 
 def validate_report(obj: Any, source: str | None = None) -> None:
-    """Raise `ReportValidationError` naming the JSON path of the first fault, else return None.
+    """Raise `ReportValidationError` naming the JSON path of a fault, else return None.
 
-    Faults are ordered by path so the message is stable from run to run (jsonschema yields
-    errors in no promised order).
+    The fault named is jsonschema's most relevant one (`best_match`), ties broken by path so the
+    message is the same from run to run; the count of further faults follows it.
     """
     import jsonschema
 
-    validator_cls = jsonschema.Draft202012Validator
-    validator = validator_cls(load_schema(), format_checker=validator_cls.FORMAT_CHECKER)
-    errors = sorted(validator.iter_errors(obj), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = sorted(_validator().iter_errors(obj), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         first = jsonschema.exceptions.best_match(errors) if len(errors) > 1 else errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -110,6 +117,16 @@ def _check_semantics(report: Mapping[str, Any], source: str | None) -> None:
         raise ReportValidationError(
             "$.summary.total",
             f"says {summary['total']} but the report has {len(report['clauses'])} clauses",
+            source,
+        )
+    expected = score(summary)
+    # 0.005 admits a writer that rounds to two decimals, not a different definition of score.
+    if (expected is None) != (summary["score"] is None) or (
+        expected is not None and abs(summary["score"] - expected) > SCORE_ROUNDING
+    ):
+        raise ReportValidationError(
+            "$.summary.score",
+            f"says {summary['score']} but (passed + waived) / applicable is {expected}",
             source,
         )
 
@@ -217,7 +234,9 @@ def summarize_values(values: Any, histogram_bins: int | None = 30) -> dict[str, 
         return out
     lo, hi = float(finite.min()), float(finite.max())
     out.update(min=lo, max=hi, mean=float(finite.mean()), std=float(finite.std()))
-    out["quantiles"] = {_qkey(q): float(v) for q, v in zip(QUANTILES, np.quantile(finite, QUANTILES))}
+    out["quantiles"] = {
+        _qkey(q): float(v) for q, v in zip(QUANTILES, np.quantile(finite, QUANTILES))
+    }
     if histogram_bins:
         if lo > 0 and hi / lo >= 100:
             edges = np.geomspace(lo, hi, histogram_bins + 1)

@@ -1,0 +1,150 @@
+"""Codec mutants: the reference wire codec with one field-seen defect each."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from rlconform.conformance.backends.reference import build
+from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged
+from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.registry import FIELDS, Kind
+
+from . import mutant
+
+
+def _with(cls):
+    return lambda: build(codec=lambda pixel_dtype=None: cls(pixel_dtype))
+
+
+@mutant("densify_uniform_rows", "the decoder densified nested rows that happened to share a "
+        "shape: row boundaries lost whenever every sample has one image", "codec")
+def _densify():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            out = super().decode(wire)
+            for name, v in list(out.fields.items()):
+                if isinstance(v, PackedTensor) and all(r is not None for r in v.rows) \
+                        and len({tuple(s.shape) for s in v.segments}) == 1 \
+                        and all(len(r) == 1 for r in v.rows):
+                    out.fields[name] = torch.cat([v.row(i) for i in range(len(v))])
+            return out
+
+    return _with(C)()
+
+
+@mutant("encode_physical_segments", "the encoder walked physical segments instead of logical "
+        "rows under media de-duplication", "codec")
+def _physical():
+    class C(ReferenceCodec):
+        @staticmethod
+        def _encode_packed(name, v, cast, tags):
+            col = ReferenceCodec._encode_packed(name, v, cast, tags)
+            if not v.is_deduplicated():
+                return col
+            # row i <- the i-th physical segment: shared rows get someone else's image
+            rows = [v.segments[i].reshape(-1) if i < len(v.segments) else
+                    torch.empty(0, dtype=col.dtype) for i in range(len(v))]
+            for i, t in enumerate(tags):
+                t[name]["shapes"] = (None if i >= len(v.segments)
+                                     else [list(v.segments[i].shape)])
+            return jagged(rows, col.dtype)
+
+    return _with(C)()
+
+
+@mutant("empty_rows_as_zero_length", "empty media rows decoded as (0, ...) tensors instead of "
+        "None", "codec")
+def _zero_rows():
+    class C(ReferenceCodec):
+        def _decode_packed(self, name, col, tags):
+            pt = super()._decode_packed(name, col, tags)
+            rows = []
+            for i in range(len(pt)):
+                segs = pt.row_segments(i)
+                if segs is None:
+                    tail = [int(d) for d in (pt.segments[0].shape[1:] if pt.segments else [])]
+                    segs = [torch.zeros((0, *tail), dtype=col.dtype)]
+                rows.append(segs)
+            return PackedTensor.from_rows(rows, pt.pack_dim)
+
+    return _with(C)()
+
+
+@mutant("fp32_pixels", "the rollout write dropped the pixel dtype cast: pixel_values crossed "
+        "the wire fp32 instead of bf16", "codec")
+def _fp32():
+    class C(ReferenceCodec):
+        def __init__(self, pixel_dtype=None):
+            super().__init__(None)
+
+    return _with(C)()
+
+
+@mutant("casts_integer_geometry", "the dtype cast hit every packed field, grids and sizes "
+        "included", "codec")
+def _cast_geometry():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            wire = super().encode(batch)
+            if self.pixel_dtype is not None:
+                for name, col in wire.columns.items():
+                    if FIELDS[name].kind is Kind.PACKED and col.dtype in (torch.int64,
+                                                                         torch.int32):
+                        wire.columns[name] = col.to(self.pixel_dtype)
+            return wire
+
+    return _with(C)()
+
+
+@mutant("casts_kept_fp32_media", "the cast ignored a family's fp32-on-purpose media "
+        "(Nemotron-Omni dynamic-resolution pixel_values)", "codec")
+def _cast_kept():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            wire = super().encode(batch)
+            fam = batch.family_spec
+            if self.pixel_dtype is not None and fam is not None:
+                for name in fam.keep_dtype & set(wire.columns):
+                    if wire.columns[name].dtype.is_floating_point:
+                        wire.columns[name] = wire.columns[name].to(self.pixel_dtype)
+            return wire
+
+    return _with(C)()
+
+
+@mutant("unknown_field_dropped", "encoding silently dropped fields it did not know", "codec")
+def _drop_unknown():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            known = {k: v for k, v in batch.fields.items() if k in FIELDS}
+            return super().encode(Batch(known, batch.family, dict(batch.extra)))
+
+    return _with(C)()
+
+
+@mutant("decode_trusts_tags", "the decoder paired tags with rows positionally and patched "
+        "what disagreed instead of rejecting misaligned tags", "codec")
+def _trusting():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            cols = dict(wire.columns)
+            b = int(next(iter(cols.values())).size(0))
+            tags = [copy.deepcopy(t) for t in (list(wire.tags) + [wire.tags[-1]] * b)[:b]]
+            for i, t in enumerate(tags):
+                for name, col in cols.items():
+                    kind = FIELDS[name].kind
+                    if kind is Kind.PER_TOKEN:
+                        t["seq_len"] = int(col.unbind()[i].shape[0])
+                    elif kind is Kind.PACKED:
+                        n = col.unbind()[i].numel()
+                        meta = t.get(name) or {"shapes": None, "pack_dim": 0}
+                        shapes = meta["shapes"] or []
+                        if sum(torch.Size(sh).numel() for sh in shapes) != n:
+                            meta = {"shapes": [[n]] if n else None, "pack_dim": meta["pack_dim"]}
+                        t[name] = meta
+            cols["input_lengths"] = torch.tensor([t["seq_len"] for t in tags])
+            return super().decode(WireBatch(cols, tags))
+
+    return _with(C)()

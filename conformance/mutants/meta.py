@@ -1,0 +1,89 @@
+"""Meta mutants: BatchMeta with one defect in its tag or sharding algebra."""
+
+from __future__ import annotations
+
+from rlconform.conformance.backends.reference import build
+from rlconform.reference_impl.meta import BatchMeta
+
+from . import mutant
+
+
+def _with(cls):
+    return lambda: build(meta=lambda: cls)
+
+
+@mutant("dp_shard_drops_tags", "metadata sharding for data parallelism dropped per-row tags",
+        "meta")
+def _shard_tags():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            for s in shards:
+                s.tags = [{} for _ in s.keys]
+            return shards, inverse
+
+    return _with(M)()
+
+
+@mutant("dp_shard_duplicates_key", "sharding rounded up: the last row also went to the first "
+        "rank (trained twice)", "meta")
+def _shard_dup():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            if world > 1 and len(self) > world and self.keys[-1] not in shards[0].keys:
+                extra = self.subset([len(self) - 1])
+                shards[0] = BatchMeta.concat([shards[0], extra])
+                shards[0].extra = {**shards[0].extra}
+            return shards, inverse
+
+    return _with(M)()
+
+
+@mutant("dp_shard_bad_inverse", "the inverse permutation was the forward one (restored order "
+        "is scrambled)", "meta")
+def _shard_inverse():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            forward = [0] * len(inverse)
+            for i, pos in enumerate(inverse):
+                forward[pos] = i
+            return shards, forward
+
+    return _with(M)()
+
+
+@mutant("meta_subset_drops_tags", "subset carried keys but not their tags", "meta")
+def _subset_tags():
+    class M(BatchMeta):
+        def subset(self, indices):
+            out = super().subset(indices)
+            out.tags = [{} for _ in out.keys]
+            return out
+
+    return _with(M)()
+
+
+@mutant("meta_concat_misaligns_tags", "concat joined the tags in the wrong order", "meta")
+def _concat_tags():
+    class M(BatchMeta):
+        @staticmethod
+        def concat(metas):
+            out = BatchMeta.concat(list(metas))
+            tags = [t for m in reversed(list(metas)) for t in m.tags]
+            return M(out.partition, out.keys, out.fields, out.seq_lens, tags, out.extra)
+
+    return _with(M)()
+
+
+@mutant("meta_shares_tag_dicts", "subset and slice shared tag dicts with the parent meta",
+        "meta")
+def _shared_tags():
+    class M(BatchMeta):
+        def _new(self, idx, **kw):
+            out = super()._new(idx, **kw)
+            out.tags = [self.tags[i] for i in idx]
+            return out
+
+    return _with(M)()

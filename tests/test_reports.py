@@ -1,0 +1,835 @@
+"""The report package: schema, metric summaries, renderers, diff and every gate rule.
+
+Each gate rule has a report that differs from the all-green one in that one respect and must
+fail the gate for that reason alone (exactly one reason), so a rule cannot pass by accident of
+another rule firing.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime as dt
+import json
+import math
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rlconform.reports import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    SCHEMA_VERSION,
+    STATUSES,
+    ReportValidationError,
+    Tolerance,
+    diff_reports,
+    gate,
+    load_report,
+    render_diff,
+    render_html,
+    render_junit,
+    render_markdown,
+    score,
+    summarize_clauses,
+    summarize_series,
+    summarize_values,
+    validate_report,
+    write_reports,
+)
+from rlconform.reports.html import plot_metric
+from rlconform.reports.sample import example_report
+
+XSS = "<script>alert('pwned')</script>"
+TODAY = dt.date(2026, 12, 2)
+
+
+def green() -> dict:
+    return example_report()
+
+
+def clause(report: dict, cid: str) -> dict:
+    return next(c for c in report["clauses"] if c["id"] == cid)
+
+
+def refresh(report: dict) -> dict:
+    """Recompute the summary after a test edits clause statuses."""
+    report["summary"] = summarize_clauses(report["clauses"])
+    return report
+
+
+def set_status(report: dict, cid: str, status: str, message: str = "boom", **extra) -> dict:
+    c = clause(report, cid)
+    c.update(status=status, message=message, **extra)
+    if status in ("failed", "error"):
+        c["tests"][0].update(outcome=status, message=message)
+    if status == "skipped":
+        for t in c["tests"]:
+            t.update(outcome="skipped", message=message)
+    return refresh(report)
+
+
+WAIVER = {
+    "category": "backend-bug",
+    "reason": "known bug",
+    "link": None,
+    "expires": "2099-01-01",
+    "expired": False,
+}
+
+
+# --- schema and model ------------------------------------------------------------------------
+
+
+def test_example_reports_are_valid():
+    for failing in (False, True):
+        validate_report(example_report(failing=failing))
+    assert example_report()["schema_version"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    "edit, path, words",
+    [
+        (lambda r: r["clauses"][3].update(status="bogus"), "$.clauses[3].status", ["bogus"]),
+        (lambda r: r.pop("provenance"), "$", ["provenance"]),
+        (lambda r: r["clauses"][0].pop("tests"), "$.clauses[0]", ["tests"]),
+        (
+            lambda r: r["clauses"][2]["tests"][1].update(outcome="xpass"),
+            "$.clauses[2].tests[1].outcome",
+            ["xpass"],
+        ),
+        (
+            lambda r: r["clauses"][1].update(waiver={**WAIVER, "category": "wontfix"}),
+            "$.clauses[1].waiver.category",
+            ["wontfix"],
+        ),
+        (
+            lambda r: r["clauses"][1].update(waiver={**WAIVER, "expires": "soon"}),
+            "$.clauses[1].waiver.expires",
+            ["soon"],
+        ),
+        (
+            lambda r: clause(r, "TRAIN-RATIO-ONE")["metrics"]["probs_ratio"].pop("quantiles"),
+            "$.clauses[11].metrics.probs_ratio",
+            ["quantiles"],
+        ),
+        (
+            lambda r: clause(r, "TRAIN-RATIO-ONE")["metrics"]["grad_norm"].update(kind="gauge"),
+            "$.clauses[11].metrics.grad_norm.kind",
+            ["gauge"],
+        ),
+        (lambda r: r["summary"].update(passed=-1), "$.summary.passed", ["-1"]),
+        (lambda r: r.update(schema_version="2.0"), "$.schema_version", ["2.0"]),
+        (lambda r: r["kill_matrix"]["mutants"][0].pop("killed"), "$.kill_matrix", ["killed"]),
+    ],
+)
+def test_schema_rejects_a_broken_report_naming_the_path(edit, path, words):
+    report = green()
+    edit(report)
+    with pytest.raises(ReportValidationError) as err:
+        validate_report(report)
+    assert err.value.path.startswith(path), str(err.value)
+    assert f"at {err.value.path}:" in str(err.value)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "edit, path, words",
+    [
+        (lambda r: r["summary"].update(failed=1), "$.summary.failed", ["says 1", "0 clauses"]),
+        (lambda r: r["summary"].update(score=0.5), "$.summary.score", ["(passed + waived)"]),
+        (
+            lambda r: r["clauses"][1].update(id=r["clauses"][0]["id"]),
+            "$.clauses[1].id",
+            ["duplicate"],
+        ),
+        (
+            lambda r: clause(r, "TRAIN-RATIO-ONE")["metrics"]["grad_norm"].update(value=math.nan),
+            "$.clauses[11].metrics.grad_norm.value",
+            ["finite"],
+        ),
+        (
+            lambda r: clause(r, "GEN-LOGPROB-PARITY")["metrics"]["token_mult_prob_error"][
+                "steps"
+            ].append(99),
+            "$.clauses[13].metrics.token_mult_prob_error",
+            ["9 steps but 8 values"],
+        ),
+    ],
+)
+def test_cross_field_rules_name_the_path(edit, path, words):
+    report = green()
+    edit(report)
+    with pytest.raises(ReportValidationError) as err:
+        validate_report(report)
+    assert err.value.path == path, str(err.value)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_minor_versions_unknown_keys_and_rounded_scores_are_accepted():
+    report = green()
+    report["schema_version"] = "1.7"
+    report["written_by_a_newer_runner"] = {"anything": 1}
+    validate_report(report)
+    report = example_report(failing=True)
+    report["summary"]["score"] = round(report["summary"]["score"], 2)  # 0.857 written as 0.86
+    validate_report(report)
+
+
+def test_load_report_names_the_file(tmp_path):
+    bad = tmp_path / "report.json"
+    bad.write_text("{not json")
+    with pytest.raises(ReportValidationError, match=r"report\.json.*not JSON"):
+        load_report(bad)
+    with pytest.raises(ReportValidationError, match="cannot read"):
+        load_report(tmp_path / "missing.json")
+    report = green()
+    report["clauses"][0]["status"] = "bogus"
+    bad.write_text(json.dumps(report))
+    with pytest.raises(ReportValidationError, match=re.escape(str(bad))):
+        load_report(bad)
+
+
+def test_score_counts_waived_over_applicable():
+    summary = {
+        "passed": 10,
+        "failed": 1,
+        "waived": 1,
+        "xpass": 0,
+        "skipped": 0,
+        "not_applicable": 3,
+        "error": 1,
+        "total": 16,
+    }
+    assert score(summary) == pytest.approx(11 / 13)
+    assert score({**summary, "total": 3, "passed": 0, "failed": 0, "waived": 0, "error": 0}) is None
+    assert example_report(failing=True)["summary"]["score"] == pytest.approx(12 / 14)
+
+
+# --- summarize_values -------------------------------------------------------------------------
+
+
+def test_summarize_values_quantiles_interpolate_linearly():
+    d = summarize_values([4.0, 1.0, 3.0, 2.0])
+    assert d["quantiles"]["0.5"] == 2.5
+    assert d["quantiles"]["0.25"] == 1.75  # position 0.25 * 3 = 0.75 between 1 and 2
+    assert d["quantiles"]["0.99"] == pytest.approx(3.97)
+    assert (d["min"], d["max"], d["mean"]) == (1.0, 4.0, 2.5)
+    assert d["std"] == pytest.approx(math.sqrt(1.25))  # population std
+    d = summarize_values(range(101))
+    assert [d["quantiles"][k] for k in ("0.01", "0.05", "0.25", "0.5", "0.75", "0.95", "0.99")] == [
+        1.0,
+        5.0,
+        25.0,
+        50.0,
+        75.0,
+        95.0,
+        99.0,
+    ]
+    assert d["count"] == 101 and sum(d["histogram"]["counts"]) == 101
+    assert len(d["histogram"]["edges"]) == 31 and d["histogram"]["scale"] == "linear"
+
+
+def _reference_quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=200))
+def test_summarize_values_matches_a_sorted_reference(values):
+    d = summarize_values(values)
+    ordered = sorted(values)
+    for key, got in d["quantiles"].items():
+        assert got == pytest.approx(_reference_quantile(ordered, float(key)), rel=1e-9, abs=1e-6)
+    assert d["min"] == ordered[0] and d["max"] == ordered[-1]
+    assert ordered[0] - 1e-6 <= d["mean"] <= ordered[-1] + 1e-6
+    assert sum(d["histogram"]["counts"]) == len(values)
+
+
+def test_summarize_values_accepts_tensors_of_any_dtype_and_shape():
+    torch = pytest.importorskip("torch")
+    values = torch.tensor([[0.5, 1.0], [1.5, 2.0]], dtype=torch.bfloat16)
+    assert summarize_values(values) == summarize_values([0.5, 1.0, 1.5, 2.0])
+    grad = torch.ones(3, requires_grad=True) * 2
+    assert summarize_values(grad)["mean"] == 2.0
+
+
+def test_model_does_not_import_torch():
+    code = (
+        "import sys, rlconform.reports.model as m; m.summarize_values([1.0, 2.0]); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_summarize_values_sets_non_finite_values_aside():
+    d = summarize_values([1.0, math.nan, math.inf, 3.0, -math.inf])
+    assert (d["count"], d["nonfinite"], d["mean"]) == (2, 3, 2.0)
+    empty = summarize_values([math.nan])
+    assert empty["count"] == 0 and empty["min"] is None and empty["quantiles"]["0.5"] is None
+    report = green()
+    clause(report, "DP-ROUNDTRIP")["metrics"] = {"ratio": empty}
+    validate_report(report)
+    assert "ratio" in render_markdown(report) and "ratio" in render_html(report)
+
+
+def test_summarize_values_log_bins_values_spanning_decades():
+    d = summarize_values([1e-3, 1e-2, 1.0, 10.0, 1e3])
+    edges = d["histogram"]["edges"]
+    assert d["histogram"]["scale"] == "log"
+    assert edges[0] == pytest.approx(1e-3) and edges[-1] == pytest.approx(1e3)
+    assert edges[2] / edges[1] == pytest.approx(edges[1] / edges[0])
+
+
+def test_summarize_series_sorts_steps_and_drops_histograms():
+    s = summarize_series({2: [3.0], 0: [1.0, 2.0]})
+    assert s["steps"] == [0, 2]
+    assert [v["mean"] for v in s["values"]] == [1.5, 3.0]
+    assert all("histogram" not in v for v in s["values"])
+
+
+# --- gate -------------------------------------------------------------------------------------
+
+
+def only_reason(result, needle: str) -> None:
+    assert not result.ok and result.exit_code == EXIT_FAILED, result.render()
+    assert len(result.reasons) == 1, result.reasons
+    assert needle in result.reasons[0], result.reasons
+
+
+def test_all_green_report_passes_the_gate():
+    result = gate(green(), baseline=green(), required=["DP-ROUNDTRIP"], today=TODAY)
+    assert (result.ok, result.reasons, result.exit_code) == (True, [], EXIT_OK)
+
+
+@pytest.mark.parametrize("status", ["failed", "error"])
+def test_gate_fails_a_required_clause_that_failed_or_errored(status):
+    report = set_status(green(), "DP-ROUNDTRIP", status, "lost pixel_values")
+    only_reason(gate(report, today=TODAY), f"required clause DP-ROUNDTRIP {status}: lost pixel")
+
+
+def test_gate_lets_an_advisory_clause_fail():
+    report = set_status(green(), "DP-ROUNDTRIP", "failed", required=False)
+    assert gate(report, today=TODAY).ok
+
+
+def test_gate_required_ids_must_be_present_and_pass():
+    report = set_status(green(), "DP-ROUNDTRIP", "failed", required=False)
+    only_reason(gate(report, required=["DP-ROUNDTRIP"], today=TODAY), "DP-ROUNDTRIP failed")
+    only_reason(gate(green(), required=["NOPE-1"], today=TODAY), "NOPE-1 is not in the report")
+    only_reason(
+        gate(green(), required=["DP-OBJECT-COLUMNS"], today=TODAY),
+        "DP-OBJECT-COLUMNS did not pass (status not_applicable)",
+    )
+
+
+def test_gate_fails_an_expired_waiver():
+    report = set_status(
+        green(),
+        "DP-MEDIA-DEDUP",
+        "waived",
+        waiver={**WAIVER, "expires": "2026-11-01", "expired": True},
+    )
+    only_reason(gate(report, today=TODAY), "waiver for DP-MEDIA-DEDUP expired on 2026-11-01")
+
+
+def test_gate_fails_a_waiver_whose_date_passed_since_the_run():
+    report = set_status(
+        green(), "DP-MEDIA-DEDUP", "waived", waiver={**WAIVER, "expires": "2026-12-01"}
+    )
+    only_reason(gate(report, today=TODAY), "expired on 2026-12-01")
+    assert gate(report, today=dt.date(2026, 11, 30)).ok
+
+
+def test_gate_fails_an_unexpected_pass():
+    report = set_status(green(), "DP-MEDIA-DEDUP", "xpass", "", waiver=WAIVER)
+    only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP passed but is waived (xpass)")
+
+
+def test_gate_fails_a_skipped_clause():
+    report = set_status(green(), "DP-MEDIA-DEDUP", "skipped", "fixture unavailable")
+    only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP applies but was skipped")
+
+
+def test_gate_fails_run_problems():
+    report = green()
+    report["problems"] = ["waiver for UNKNOWN-ID names no clause"]
+    only_reason(gate(report, today=TODAY), "problem: waiver for UNKNOWN-ID names no clause")
+
+
+def test_gate_fails_a_clause_that_passed_in_the_baseline():
+    report = set_status(green(), "DP-ROUNDTRIP", "failed", required=False)
+    assert gate(report, today=TODAY).ok  # advisory: only the baseline makes this a failure
+    only_reason(
+        gate(report, baseline=green(), today=TODAY),
+        "regression: clause DP-ROUNDTRIP passed in the baseline, now failed",
+    )
+
+
+def test_gate_fails_a_test_that_passed_in_the_baseline():
+    baseline = set_status(green(), "DP-ROUNDTRIP", "failed", required=False)
+    report = copy.deepcopy(baseline)
+    test = clause(report, "DP-ROUNDTRIP")["tests"][1]
+    test.update(outcome="failed", message="second family broke too")
+    assert gate(report, baseline=report, today=TODAY).ok
+    only_reason(
+        gate(report, baseline=baseline, today=TODAY),
+        f"regression: test {test['nodeid']} passed in the baseline, now failed",
+    )
+
+
+def test_gate_a_new_waiver_excuses_a_regression():
+    report = set_status(green(), "DP-ROUNDTRIP", "waived", "known", waiver=WAIVER)
+    clause(report, "DP-ROUNDTRIP")["tests"][0]["outcome"] = "failed"
+    assert gate(report, baseline=green(), today=TODAY).ok
+
+
+def test_gate_exit_code_2_for_unusable_input(tmp_path):
+    broken = green()
+    broken["clauses"][0]["status"] = "bogus"
+    result = gate(broken)
+    assert (result.ok, result.exit_code) == (False, EXIT_USAGE)
+    assert "$.clauses[0].status" in result.reasons[0]
+    assert gate(green(), baseline=broken).exit_code == EXIT_USAGE
+    assert gate(tmp_path / "missing.json").exit_code == EXIT_USAGE
+    other = green()
+    other["backend"] = "mooncake"
+    assert gate(green(), baseline=other).exit_code == EXIT_USAGE
+
+
+def test_gate_reads_paths(tmp_path):
+    paths = write_reports(set_status(green(), "DP-NO-ALIAS", "skipped", "no"), tmp_path)
+    result = gate(paths["json"], today=TODAY)
+    assert result.exit_code == EXIT_FAILED and "DP-NO-ALIAS" in result.render()
+
+
+# --- diff -------------------------------------------------------------------------------------
+
+
+def test_diff_of_identical_reports_is_empty():
+    result = diff_reports(green(), green())
+    assert result.unchanged and not result.regressed
+    assert "no changes" in render_diff(result)
+
+
+def _edit_metric(report: dict, cid: str, name: str, **stats) -> None:
+    metric = clause(report, cid)["metrics"][name]
+    target = metric["values"][-1] if metric["kind"] == "series" else metric
+    target.update(stats)
+
+
+@pytest.mark.parametrize(
+    "edit, field, expect, section",
+    [
+        (
+            lambda r: set_status(r, "DP-ROUNDTRIP", "failed"),
+            "newly_failing",
+            ("DP-ROUNDTRIP", "passed", "failed"),
+            "newly failing",
+        ),
+        (
+            lambda r: set_status(r, "DP-MEDIA-DEDUP", "waived", "known", waiver=WAIVER),
+            "newly_waived",
+            ("DP-MEDIA-DEDUP", "passed", "waived"),
+            "newly waived",
+        ),
+        (
+            lambda r: set_status(r, "DP-NO-ALIAS", "not_applicable", "capability dropped"),
+            "other_status_changes",
+            ("DP-NO-ALIAS", "passed", "not_applicable"),
+            "other status changes",
+        ),
+        (
+            lambda r: r["clauses"].pop(0) and refresh(r),
+            "clauses_removed",
+            ("BATCH-TRUNCATE-MEDIA", "passed", None),
+            "clauses removed",
+        ),
+    ],
+)
+def test_diff_clause_categories(edit, field, expect, section):
+    old, new = green(), green()
+    old["clauses"].sort(key=lambda c: c["id"])
+    new["clauses"].sort(key=lambda c: c["id"])
+    edit(new)
+    result = diff_reports(old, new)
+    changes = getattr(result, field)
+    assert [(c.id, c.old, c.new) for c in changes] == [expect]
+    assert section in render_diff(result)
+    others = [
+        f
+        for f in (
+            "newly_failing",
+            "newly_passing",
+            "newly_waived",
+            "clauses_added",
+            "clauses_removed",
+            "other_status_changes",
+        )
+        if f != field
+    ]
+    assert all(not getattr(result, f) for f in others)
+
+
+def test_diff_newly_passing_and_added():
+    old = set_status(green(), "DP-ROUNDTRIP", "failed")
+    new = green()
+    extra = copy.deepcopy(clause(new, "DP-NO-ALIAS"))
+    extra.update(id="DP-NEW", tests=[])
+    new["clauses"].append(extra)
+    refresh(new)
+    result = diff_reports(old, new)
+    assert [(c.id, c.old, c.new) for c in result.newly_passing] == [
+        ("DP-ROUNDTRIP", "failed", "passed")
+    ]
+    assert [(c.id, c.old, c.new) for c in result.clauses_added] == [("DP-NEW", None, "passed")]
+    assert [t.kind for t in result.test_changes] == ["fixed"]
+    text = render_diff(result)
+    assert "newly passing (1)" in text and "clauses added (1)" in text and "tests fixed" in text
+
+
+def test_diff_waiver_expired():
+    old = set_status(green(), "DP-MEDIA-DEDUP", "waived", "known", waiver=WAIVER)
+    new = set_status(
+        green(),
+        "DP-MEDIA-DEDUP",
+        "failed",
+        "known",
+        waiver={**WAIVER, "expires": "2026-01-01", "expired": True},
+    )
+    result = diff_reports(old, new)
+    assert [c.id for c in result.waivers_expired] == ["DP-MEDIA-DEDUP"]
+    assert result.regressed and "waivers expired (1)" in render_diff(result)
+
+
+def test_diff_test_level_changes():
+    old, new = green(), green()
+    tests = clause(new, "DP-ROUNDTRIP")["tests"]
+    tests[0].update(outcome="failed", message="row 2 lost")
+    removed = tests.pop(1)
+    tests.append(
+        {
+            "nodeid": "conformance/clauses/test_transport.py::test_roundtrip[new]",
+            "outcome": "passed",
+            "duration_s": 0.1,
+            "message": "",
+            "hypothesis": None,
+        }
+    )
+    result = diff_reports(old, new)
+    kinds = {t.nodeid: t.kind for t in result.test_changes}
+    assert kinds == {
+        tests[0]["nodeid"]: "regressed",
+        removed["nodeid"]: "removed",
+        tests[-1]["nodeid"]: "added",
+    }
+    assert result.regressed and not result.newly_failing
+    text = render_diff(result)
+    assert "tests regressed (1)" in text and "row 2 lost" in text
+
+
+@pytest.mark.parametrize(
+    "cid, name, stats, measure",
+    [
+        ("TRAIN-RATIO-ONE", "probs_ratio", {"max": 1.001}, "|max - 1|"),
+        ("TRAIN-RATIO-ONE", "probs_ratio", {"min": 0.999}, "|min - 1|"),
+        ("GEN-LOGPROB-PARITY", "token_mult_prob_error", {"mean": 1.05}, "mean"),
+        ("GEN-LOGPROB-PARITY", "token_mult_prob_error", {"max": 1.5}, "max"),
+    ],
+)
+def test_diff_metric_regressions_beyond_tolerance(cid, name, stats, measure):
+    new = green()
+    _edit_metric(new, cid, name, **stats)
+    result = diff_reports(green(), new)
+    assert [(m.clause, m.metric, m.measure) for m in result.metric_regressions] == [
+        (cid, name, measure)
+    ]
+    assert result.regressed and "metric regressions (1)" in render_diff(result)
+
+
+def test_diff_metric_changes_within_tolerance_or_unnamed_are_quiet():
+    new = green()
+    _edit_metric(new, "TRAIN-RATIO-ONE", "probs_ratio", max=1.0 + 2**-23)  # one float32 ulp
+    _edit_metric(new, "GEN-LOGPROB-PARITY", "token_mult_prob_error", mean=1.005)
+    _edit_metric(new, "GEN-LOGPROB-PARITY", "logprob_abs_diff", max=5.0)  # no tolerance named
+    result = diff_reports(green(), new)
+    assert result.metric_regressions == []
+    strict = {"logprob_abs_diff": (Tolerance("max", 0.1),)}
+    assert [m.metric for m in diff_reports(green(), new, tolerances=strict).metric_regressions] == [
+        "logprob_abs_diff"
+    ]
+
+
+# --- markdown ---------------------------------------------------------------------------------
+
+
+def _unescaped_pipes(line: str) -> int:
+    return len(re.findall(r"(?<!\\)\|", line))
+
+
+def test_markdown_lists_failures_first():
+    md = render_markdown(example_report(failing=True))
+    assert md.splitlines()[0].endswith("FAIL")
+    order = [
+        md.index(h)
+        for h in (
+            "### Why the gate fails",
+            "### Failures",
+            "### Waivers",
+            "### Clauses",
+            "### Metrics",
+            "### Mutant kill matrix",
+            "Provenance",
+        )
+    ]
+    assert order == sorted(order)
+    failures = md[md.index("### Failures") : md.index("### Waivers")]
+    # the required failure before the advisory one, both with their messages
+    assert failures.index("TRAIN-FIELD-PARITY") < failures.index("E2E-GRPO-SMOKE")
+    assert "pixel_values missing from the train fetch" in failures
+    assert "@reproduce_failure" in failures
+    assert "2099-03-01" in md[md.index("### Waivers") :]
+    assert "9/10 mutants killed" in md
+    assert render_markdown(green()).splitlines()[0].endswith("PASS")
+
+
+def test_markdown_escapes_pipes_newlines_and_html():
+    report = set_status(green(), "DP-ROUNDTRIP", "failed", f"a | b\nc {XSS}")
+    md = render_markdown(report)
+    assert XSS not in md
+    assert "a \\| b<br>c &lt;script&gt;" in md
+    table = md[md.index("### Clauses") : md.index("### Metrics")].splitlines()[1:]
+    rows = [line for line in table if line.startswith("|")]
+    assert rows and all(_unescaped_pipes(line) == 8 for line in rows)
+
+
+def test_markdown_caps_failing_tests_per_clause():
+    report = green()
+    c = clause(report, "DP-ROUNDTRIP")
+    c["tests"] = [
+        {"nodeid": f"t.py::test_x[{i}]", "outcome": "failed", "message": f"case {i} broke"}
+        for i in range(8)
+    ]
+    md = render_markdown(set_status(report, "DP-ROUNDTRIP", "failed", "eight cases broke"))
+    assert "case 4 broke" in md and "case 5 broke" not in md
+    assert "and 3 more failing tests" in md
+
+
+def test_markdown_shows_metric_ranges_and_provenance():
+    md = render_markdown(green())
+    assert "| TRAIN-RATIO-ONE | probs_ratio | distribution | 812 | 1 | 1 | 1 |" in md
+    assert "token_mult_prob_error | series (8 steps)" in md
+    assert "packages.torch | 2.13.0" in md
+
+
+# --- html -------------------------------------------------------------------------------------
+
+
+def _xss_report() -> dict:
+    report = set_status(example_report(failing=True), "DP-ROUNDTRIP", "failed", XSS)
+    c = clause(report, "DP-ROUNDTRIP")
+    c["title"] = XSS
+    c["tests"][0]["hypothesis"] = {"example": XSS, "blob": XSS}
+    c["metrics"] = {"x<script>": summarize_values([1.0, 2.0])}
+    report["problems"] = [XSS]
+    clause(report, "DP-MEDIA-DEDUP")["waiver"]["reason"] = XSS
+    return refresh(report)
+
+
+def test_html_escapes_report_text():
+    page = render_html(_xss_report())
+    assert XSS not in page
+    assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in page
+    assert page.count("<script") == 1  # the page's own filter script only
+
+
+def test_html_is_self_contained_with_one_plot_per_distribution_or_series():
+    report = example_report(failing=True)
+    page = render_html(report)
+    # links may point out (a waiver's issue); nothing the page loads may
+    assert not re.search(r"""src=["']?(https?:)?//""", page)
+    assert "<link" not in page and "url(" not in page and "@import" not in page
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    plotted = [
+        m
+        for c in report["clauses"]
+        for m in (c.get("metrics") or {}).values()
+        if m["kind"] in ("distribution", "series")
+    ]
+    assert len(srcs) == len(plotted) >= 5
+    for src in srcs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    for needle in (
+        'id="clauses"',
+        'id="f-status"',
+        'id="f-surface"',
+        'id="kill-matrix"',
+        'id="provenance"',
+        'data-status="failed"',
+        'data-surface="transport"',
+    ):
+        assert needle in page
+
+
+def test_html_kill_matrix_marks_expected_and_actual_failures():
+    page = render_html(example_report(failing=True))
+    matrix = page[page.index('id="kill-matrix"') :]
+    assert 'class="cell k-killed"' in matrix  # expected and failed
+    assert 'class="cell k-missed"' in matrix  # tile_count_lost survived
+    assert 'class="cell k-extra"' in matrix  # truncated_wire_tensors also failed DP-ROUNDTRIP
+
+
+def test_plots_cover_each_metric_kind():
+    series = summarize_series({0: [1.0, 2.0], 1: [1.5, 3.0]})
+    for metric in (
+        summarize_values([1.0] * 5),
+        summarize_values([1e-4, 1.0, 1e4]),
+        series,
+        {**summarize_values([1.0, 2.0]), "histogram": None},
+    ):
+        metric = {k: v for k, v in metric.items() if v is not None}
+        assert plot_metric("C", "probs_ratio", metric)[:4] == b"\x89PNG"
+    assert plot_metric("C", "g", {"kind": "scalar", "value": 1.0}) is None
+    assert plot_metric("C", "e", summarize_values([math.nan])) is None
+
+
+# --- junit ------------------------------------------------------------------------------------
+
+
+def _cases(xml: str) -> dict[str, ET.Element]:
+    root = ET.fromstring(xml)
+    return {f"{c.get('classname')}::{c.get('name')}": c for c in root.iter("testcase")}
+
+
+def _props(case: ET.Element, name: str) -> list[str]:
+    return [p.get("value") for p in case.iter("property") if p.get("name") == name]
+
+
+def test_junit_has_clause_properties_and_outcomes():
+    report = example_report(failing=True)
+    set_status(report, "DP-NO-ALIAS", "error", "fixture crashed")
+    set_status(report, "DP-MERGE-PUT", "xpass", "", waiver=WAIVER)
+    set_status(report, "WIRE-ROUNDTRIP", "skipped", "no fixture")
+    report["problems"] = ["waiver for UNKNOWN-ID names no clause"]
+    xml = render_junit(report)
+    root = ET.fromstring(xml)
+    suite = root.find("testsuite")
+    assert suite.get("name") == "rlconform.reference"
+    cases = _cases(xml)
+    assert all(_props(c, "clause") for c in cases.values() if c.get("classname") != "rlconform.run")
+
+    def case(nodeid_part: str) -> ET.Element:
+        (hit,) = [c for k, c in cases.items() if nodeid_part in k]
+        return hit
+
+    failed = case("test_trainer::test_field_parity[idefics3]")
+    assert _props(failed, "clause") == ["TRAIN-FIELD-PARITY"]
+    assert failed.find("failure") is not None
+    assert "@reproduce_failure" in failed.find("failure").text
+    assert case("test_trainer::test_field_parity[qwen2_vl]").find("failure") is None
+    waived = case("test_transport::test_media_dedup[gemma3]")
+    assert waived.find("failure") is None and _props(waived, "waiver")
+    assert case("test_transport::test_no_alias[qwen2_vl]").find("error") is not None
+    assert case("test_transport::test_merge_put[qwen2_vl]").find("failure").get("type") == "xpass"
+    assert case("test_codec::test_roundtrip[qwen2_vl]").find("skipped") is not None
+    na = cases["rlconform.clause.transport::DP-OBJECT-COLUMNS"]
+    assert na.find("skipped") is not None and _props(na, "clause") == ["DP-OBJECT-COLUMNS"]
+    assert cases["rlconform.run::problem[0]"].find("failure") is not None
+    counted = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    assert counted == {
+        "tests": len(cases),
+        "failures": sum(c.find("failure") is not None for c in cases.values()),
+        "errors": sum(c.find("error") is not None for c in cases.values()),
+        "skipped": sum(c.find("skipped") is not None for c in cases.values()),
+    }
+
+
+def test_junit_merges_a_test_tied_to_two_clauses_and_survives_control_characters():
+    report = green()
+    shared = copy.deepcopy(clause(report, "DP-ROUNDTRIP")["tests"][0])
+    clause(report, "DP-MERGE-PUT")["tests"].append(shared)
+    set_status(report, "DP-ROUNDTRIP", "failed", "ansi \x1b[31mred\x1b[0m and nul \x00")
+    cases = _cases(render_junit(report))
+    classname, name = shared["nodeid"].split("::")
+    merged = cases[f"{classname.removesuffix('.py').replace('/', '.')}::{name}"]
+    assert _props(merged, "clause") == ["DP-ROUNDTRIP", "DP-MERGE-PUT"]
+    assert "\\x1b[31mred" in merged.find("failure").text
+
+
+def _minimal(clauses: list[dict]) -> dict:
+    return {
+        "schema_version": "1.0",
+        "backend": "bare",
+        "backend_info": {"name": "bare", "surfaces": ["transport"], "capabilities": []},
+        "provenance": {
+            "rlconform_version": "0.1.0",
+            "python": "3.11",
+            "platform": "linux",
+            "packages": {},
+            "device": {"type": "cpu"},
+        },
+        "summary": summarize_clauses(clauses),
+        "clauses": clauses,
+    }
+
+
+@pytest.mark.parametrize(
+    "clauses",
+    [[], [{"id": "DP-X", "status": "failed", "message": "only the required keys", "tests": []}]],
+)
+def test_a_minimal_report_renders_in_every_format(clauses, tmp_path):
+    report = _minimal(clauses)
+    paths = write_reports(report, tmp_path)
+    assert load_report(paths["json"]) == report
+    verdict = gate(report)
+    assert verdict.ok is (not clauses)
+    if not clauses:
+        assert "**score n/a**" in paths["markdown"].read_text()
+    else:
+        assert "DP-X" in paths["html"].read_text()
+        (case,) = ET.parse(paths["junit"]).getroot().iter("testcase")
+        assert case.find("failure").get("message") == "only the required keys"
+
+
+# --- write ------------------------------------------------------------------------------------
+
+
+def test_write_reports_writes_every_format(tmp_path):
+    report = example_report(failing=True)
+    paths = write_reports(report, tmp_path / "out")
+    assert {p.name for p in paths.values()} == {
+        "report.json",
+        "report.md",
+        "report.html",
+        "junit.xml",
+    }
+    assert load_report(paths["json"]) == report
+    ET.parse(paths["junit"])
+    assert paths["html"].read_text().startswith("<!DOCTYPE html>")
+    assert paths["markdown"].read_text() == render_markdown(report)
+
+
+def test_write_reports_rejects_an_invalid_report_and_writes_nothing(tmp_path):
+    report = green()
+    report["summary"]["passed"] += 1
+    with pytest.raises(ReportValidationError, match=r"\$\.summary\.passed"):
+        write_reports(report, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_statuses_match_the_schema():
+    from rlconform.reports.model import load_schema
+
+    assert tuple(load_schema()["$defs"]["status"]["enum"]) == STATUSES
