@@ -61,9 +61,6 @@ class Backend:
     rollout: Callable[..., Any] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
     session: Callable[[], contextlib.AbstractContextManager] = _no_session
-    # Python packages this backend needs beyond rlconform's own (pip requirement strings);
-    # `nox -s conformance -- --backend NAME` installs them.
-    requirements: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -107,7 +104,7 @@ def known_backends() -> dict[str, str]:
     found.setdefault("reference", "rlconform.conformance.backends.reference:backend")
     from rlconform.conformance.backends import BUNDLED
 
-    for name, spec in BUNDLED.items():
+    for name, (spec, _reqs) in BUNDLED.items():
         found.setdefault(name, spec)
     return found
 

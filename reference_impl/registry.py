@@ -179,8 +179,9 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             "llava_next",
             ("pixel_values", "image_sizes"),
-            pack_dims={"pixel_values": 1},
-            segment_shapes={"pixel_values": (3, 336, 336), "image_sizes": (2,)},
+            # one segment [1, patches, 3, H, W] per image; patches differ across images, so the
+            # model input [n_images, max_patches, 3, H, W] is padded on dim 1 only in as_tensor()
+            segment_shapes={"pixel_values": (None, 3, 336, 336), "image_sizes": (2,)},
         ),
         FamilySpec(
             "nemotron_omni",

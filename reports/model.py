@@ -21,7 +21,7 @@ SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 # Clause statuses in schema order; renderers sort by STATUS_SEVERITY instead, worst first.
 STATUSES = ("passed", "failed", "waived", "xpass", "skipped", "not_applicable", "error")
-TEST_OUTCOMES = ("passed", "failed", "skipped", "error")
+TEST_OUTCOMES = ("passed", "failed", "skipped", "not_applicable", "error")
 WAIVER_CATEGORIES = ("backend-bug", "unsupported", "future")
 # Statuses that mean "the backend does not conform here, and nothing excuses it".
 FAILING = frozenset({"failed", "error", "xpass"})

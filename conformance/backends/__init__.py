@@ -1,8 +1,25 @@
-"""Backends bundled with rlconform, by name (`--backend NAME`)."""
+"""Backends bundled with rlconform, by name (`--backend NAME`), and what each one needs.
+
+This module imports nothing, so the noxfile can read the requirements before rlconform is
+installed (`nox -s conformance -- --backend NAME` installs them).
+"""
 
 BUNDLED = {
-    "reference": "rlconform.conformance.backends.reference:backend",
-    "transferqueue-simple": "rlconform.conformance.backends.transferqueue:simple_backend",
-    "transferqueue-mooncake": "rlconform.conformance.backends.transferqueue:mooncake_backend",
-    "ray-objectstore": "rlconform.conformance.backends.ray_objectstore:backend",
+    "reference": ("rlconform.conformance.backends.reference:backend", ()),
+    "transferqueue-simple": (
+        "rlconform.conformance.backends.transferqueue:simple_backend",
+        ("TransferQueue==0.1.11", "tensordict", "ray"),
+    ),
+    "transferqueue-mooncake": (
+        "rlconform.conformance.backends.transferqueue:mooncake_backend",
+        ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
+    ),
+    "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
 }
+
+
+def requirements(name: str) -> tuple[str, ...]:
+    """pip requirements of a bundled backend (or of all of them for `all`)."""
+    names = list(BUNDLED) if name == "all" else [name]
+    reqs = [r for n in names if n in BUNDLED for r in BUNDLED[n][1]]
+    return tuple(dict.fromkeys(reqs))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
-
 from rlconform.reference_impl.batch import Batch
+from torch import Tensor
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:

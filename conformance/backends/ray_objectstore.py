@@ -1,0 +1,309 @@
+"""A transport on Ray's object store: column blocks in plasma, an index actor for the keys.
+
+put turns each column into one block (a numpy payload: dense `values`, or jagged `values` +
+`offsets`) and `ray.put`s it once; the index actor records key -> (block, row), the tags and the
+column's layout, and holds the block refs (as a borrower). Ray makes the putting process the
+block's owner (`ray.put(_owner=)` was removed in Ray 2.56): when the writer exits, its blocks
+are lost and get raises BackendUnavailable (OwnerDiedError) rather than returning stale data. get asks the actor where each row lives, fetches the blocks with one
+`ray.get` (zero-copy from shared memory) and copies the rows out into fresh tensors, so nothing
+returned aliases the store. Every call has a timeout: a dead index actor or object owner gives
+a BackendUnavailable, a hung one a BackendTimeout, never a hang.
+
+Memory is freed per block: a block is released when no key of it remains (clear) or when the
+transport closes (the index actor, the last holder of every block ref, is killed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+from rlconform.conformance.backend import Backend
+from rlconform.conformance.backends import _procs
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
+DENSE, JAGGED = "dense", "jagged"
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("the ray-objectstore backend needs `pip install ray`") from exc
+    return ray
+
+
+class _Index:
+    """partition -> key -> {"rows": {field: (block_no, row)}, "tags": dict}; layouts per field.
+
+    Runs as a Ray actor with no CPU reserved. Errors come back as ("error", kind, message)
+    values rather than raised, so the driver raises a clean KeyError/ValueError instead of a
+    RayTaskError with the actor's traceback in its message.
+    """
+
+    def __init__(self) -> None:
+        self.parts: dict[str, dict[str, dict]] = {}
+        self.layouts: dict[str, dict[str, tuple]] = {}
+        self.blocks: dict[int, list] = {}  # block_no -> [ObjectRef]: held here, so kept alive
+        self.users: dict[int, int] = {}  # block_no -> live (key, field) rows pointing at it
+        self.next_block = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _drop_row(self, block_no: int) -> None:
+        self.users[block_no] -= 1
+        if self.users[block_no] == 0:
+            del self.users[block_no], self.blocks[block_no]
+
+    def put(self, partition: str, keys: list[str], blocks: dict[str, tuple], tags):
+        layouts = self.layouts.get(partition, {})
+        for name, (layout, _ref) in blocks.items():
+            old = layouts.get(name)
+            if old is not None and old != layout:
+                return ("error", "ValueError", f"column {name!r} in partition {partition!r} was "
+                        f"written as {old}, now as {layout}")
+        part = self.parts.setdefault(partition, {})
+        playouts = self.layouts.setdefault(partition, {})
+        for name, (layout, ref) in blocks.items():
+            no, self.next_block = self.next_block, self.next_block + 1
+            self.blocks[no], self.users[no] = ref, 0
+            playouts[name] = layout
+            for i, k in enumerate(keys):
+                rows = part.setdefault(k, {"rows": {}, "tags": {}})["rows"]
+                if name in rows:
+                    self._drop_row(rows[name][0])
+                rows[name] = (no, i)
+                self.users[no] += 1
+            if self.users[no] == 0:
+                del self.users[no], self.blocks[no]
+        for i, k in enumerate(keys):
+            entry = part.setdefault(k, {"rows": {}, "tags": {}})
+            if tags is not None:
+                entry["tags"].update(tags[i])
+        return ("ok",)
+
+    def locate(self, partition: str, keys: list[str], fields: list[str]):
+        """For each field: its layout, the blocks it needs, and (block index, row) per key."""
+        part = self.parts.get(partition)
+        if part is None:
+            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        missing = [k for k in keys if k not in part]
+        if missing:
+            return ("error", "KeyError", f"keys {missing[:8]} not in partition {partition!r}")
+        out, refs, index = {}, [], {}
+        for name in fields:
+            lacking = [k for k in keys if name not in part[k]["rows"]]
+            if lacking:
+                return ("error", "KeyError", f"field {name!r} missing for keys {lacking[:8]} "
+                        f"in partition {partition!r}")
+            where = []
+            for k in keys:
+                no, row = part[k]["rows"][name]
+                if no not in index:
+                    index[no] = len(refs)
+                    refs.append(self.blocks[no])
+                where.append((index[no], row))
+            out[name] = (self.layouts[partition][name], where)
+        return ("ok", out, refs, [dict(part[k]["tags"]) for k in keys])
+
+    def list(self, partition: str):
+        if partition not in self.parts:
+            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        return ("ok", list(self.parts[partition]))
+
+    def clear(self, partition: str, keys: list[str] | None):
+        part = self.parts.get(partition)
+        if part is None:
+            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        if keys is None:
+            keys = list(part)
+            self.layouts.pop(partition, None)
+        missing = [k for k in keys if k not in part]
+        if missing:
+            return ("error", "KeyError", f"cannot clear keys {missing[:8]}: not in partition "
+                    f"{partition!r}")
+        for k in keys:
+            for no, _row in part.pop(k)["rows"].values():
+                self._drop_row(no)
+        if not part and partition not in self.layouts:
+            del self.parts[partition]
+        return ("ok",)
+
+
+_ERRORS = {"KeyError": KeyError, "ValueError": ValueError}
+
+
+def _to_payload(name: str, col, n: int) -> tuple[tuple, dict]:
+    """(layout, payload) of a column; the payload holds numpy arrays Ray stores zero-copy."""
+    import torch
+
+    if not isinstance(col, torch.Tensor):
+        raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are tensors")
+    if col.size(0) != n:
+        raise ValueError(f"column {name!r} has {col.size(0)} rows for {n} keys")
+    if col.is_nested:
+        if col.layout is not torch.jagged:
+            raise TypeError(f"column {name!r} is a strided nested tensor; use layout=torch.jagged")
+        layout = (JAGGED, str(col.dtype), tuple(col.shape[2:]))
+        return layout, {"values": _numpy(col.values()), "offsets": col.offsets().cpu().numpy()}
+    if col.dim() == 0:
+        raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
+    return (DENSE, str(col.dtype), tuple(col.shape[1:])), {"values": _numpy(col)}
+
+
+# numpy has no bfloat16 / float8: such tensors travel as same-width integers and are viewed back.
+_SAME_WIDTH_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _numpy(t):
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.view(getattr(torch, _SAME_WIDTH_INT[t.element_size()])).numpy()
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
+    """A fresh tensor (one copy) holding row `row` of block `b` for each (b, row) in `where`."""
+    import numpy as np
+    import torch
+
+    kind, dtype_name, trailing = layout
+    dtype = _dtype(dtype_name)
+    if kind == DENSE:
+        first = blocks[where[0][0]]["values"]
+        out = np.empty((len(where), *first.shape[1:]), dtype=first.dtype)
+        by_block: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, (b, row) in enumerate(where):
+            by_block.setdefault(b, ([], []))[0].append(pos)
+            by_block[b][1].append(row)
+        for b, (pos, rows) in by_block.items():
+            out[pos] = blocks[b]["values"][rows]
+        return torch.from_numpy(out).view(dtype)
+    spans = []
+    for b, row in where:
+        off = blocks[b]["offsets"]
+        spans.append((b, int(off[row]), int(off[row + 1])))
+    lengths = [hi - lo for _b, lo, hi in spans]
+    first = blocks[where[0][0]]["values"]
+    values = np.empty((sum(lengths), *first.shape[1:]), dtype=first.dtype)
+    at = 0
+    for (b, lo, hi), n in zip(spans, lengths):
+        values[at:at + n] = blocks[b]["values"][lo:hi]
+        at += n
+    offsets = torch.zeros(len(where) + 1, dtype=torch.long)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(torch.from_numpy(values).view(dtype),
+                                                  offsets=offsets)
+
+
+class RayObjectStoreTransport:
+    """The rlconform transport surface on Ray's object store (see the module docstring)."""
+
+    def __init__(self, timeout_s: float | None = None):
+        ray = _ray()
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not running: enter the backend's session "
+                               "(Backend.session) before making a transport")
+        self._ray = ray
+        self._timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        self.index = ray.remote(num_cpus=0, max_restarts=0)(_Index).remote()
+        self._closed = False
+
+    def _wait(self, refs, what: str):
+        ray = self._ray
+        if self._closed:
+            raise RuntimeError("transport is closed")
+        try:
+            return ray.get(refs, timeout=self._timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise _procs.BackendTimeout(f"ray-objectstore {what} did not answer within "
+                                        f"{self._timeout:g}s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            raise _procs.BackendUnavailable(f"ray-objectstore {what} failed: the index actor or "
+                                            f"a block owner is gone ({type(exc).__name__}: "
+                                            f"{str(exc).splitlines()[0]})") from None
+
+    def _ask(self, method: str, *args):
+        answer = self._wait(getattr(self.index, method).remote(*args), method)
+        if answer[0] == "error":
+            raise _ERRORS[answer[1]](answer[2])
+        return answer[1:]
+
+    def put(self, partition: str, keys: Sequence[str], columns: dict,
+            tags: Sequence[dict] | None = None) -> None:
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"put got duplicated keys in partition {partition!r}")
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"put got {len(tags)} tags for {len(keys)} keys; tags are 1:1")
+        staged = {name: _to_payload(name, col, len(keys)) for name, col in columns.items()}
+        # a list around each ref keeps Ray from resolving it into the block when it is passed
+        blocks = {name: (layout, [self._ray.put(payload)])
+                  for name, (layout, payload) in staged.items()}
+        self._ask("put", partition, keys, blocks, list(tags) if tags is not None else None)
+
+    def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
+            ) -> tuple[dict, list[dict]]:
+        if select_fields is None:
+            raise TypeError("get requires select_fields: name the fields to fetch")
+        keys = list(keys)
+        located, refs, tags = self._ask("locate", partition, keys, list(select_fields))
+        blocks = self._wait([r[0] for r in refs], "block fetch") if refs else []
+        if not keys:
+            return {name: _empty(layout) for name, (layout, _w) in located.items()}, []
+        return {name: _from_rows(layout, blocks, where)
+                for name, (layout, where) in located.items()}, tags
+
+    def list(self, partition: str) -> list[str]:
+        return self._ask("list", partition)[0]
+
+    def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
+        self._ask("clear", partition, list(keys) if keys is not None else None)
+
+    def close(self) -> None:
+        """Kill the index actor: it holds the last ref to every block, so all are freed."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._ray.kill(self.index)
+
+
+def _empty(layout: tuple):
+    import torch
+
+    kind, dtype_name, trailing = layout
+    values = torch.empty((0, *trailing), dtype=_dtype(dtype_name))
+    if kind == DENSE:
+        return values
+    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.zeros(1, dtype=torch.long))
+
+
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+    """Ray with one CPU and a small object store (RLCONFORM_RAY_OBJECT_STORE_MB, default 1024)."""
+    mb = int(os.environ.get("RLCONFORM_RAY_OBJECT_STORE_MB", "1024"))
+    with _procs.ray_cluster(num_cpus=1, object_store_mb=mb):
+        yield
+
+
+backend = Backend(
+    name="ray-objectstore",
+    description="column blocks in Ray's object store (ray.put/ray.get, owned by an index "
+    "actor that maps keys to blocks, tags and layouts)",
+    transport=RayObjectStoreTransport,
+    capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
+                            "dim1_packing"}),
+    session=session,
+    requirements=("ray>=2.40", "numpy"),
+)

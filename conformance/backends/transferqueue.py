@@ -1,0 +1,293 @@
+"""TransferQueue 0.1.11 as an rlconform transport: its KV API, with SimpleStorage or MooncakeStore.
+
+The adapter is deliberately thin, so that the clauses judge TransferQueue and not the adapter:
+- put -> `kv_batch_put(keys, partition_id, fields=TensorDict, tags)`, get -> `kv_batch_get` for
+  the columns plus the controller's per-key metadata (`kv_retrieve_meta`) for the tags,
+  list -> `kv_list`, clear -> `kv_clear` or the client's `clear_partition`;
+- the one thing it adds is a layout record: put stores `["dense", row_shape]` or `["jagged"]`
+  per field in each key's tags (under LAYOUT_TAG), because TransferQueue hands dense columns
+  of two or more dims back as jagged nested tensors. get restacks a column only when every
+  row's record says dense and every row has the recorded shape; anything else is returned as
+  the library gave it, so a shape defect (e.g. (1,) rows for a 1-D column) still fails;
+- library errors that mean "not there" (ValueError "keys or partition were not found",
+  "fields are not ready") become KeyError naming what was asked; a shorter or empty result
+  is passed through untouched (that is a TransferQueue defect, waived in expectations/);
+- every call runs on the client's event loop with a timeout, because a dead storage unit
+  makes TransferQueue wait forever (ZMQ receive without a deadline).
+Each transport instance writes under its own namespace (`<ns>/<partition>`), so a fresh
+instance is a fresh store although TransferQueue is one global store per Ray cluster; pass
+`namespace=` to share partitions between instances (a rollout process and a trainer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from rlconform.conformance.backend import Backend
+from rlconform.conformance.backends import _procs
+
+LAYOUT_TAG = "__rlconform_layout__:"
+DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_TQ_TIMEOUT_S", "60"))
+CAPABILITIES = {"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup", "dim1_packing"}
+REQUIREMENTS = ("TransferQueue==0.1.11", "tensordict>=0.10", "ray>=2.40")
+_NOT_FOUND = "keys or partition were not found"
+_NOT_READY = "fields are not ready"
+
+
+def _tq():
+    try:
+        import transfer_queue
+    except ImportError as exc:
+        raise ImportError("the transferqueue backends need `pip install TransferQueue==0.1.11 "
+                          "tensordict ray`") from exc
+    return transfer_queue
+
+
+def _layout_record(col) -> list:
+    return ["jagged"] if col.is_nested else ["dense", list(col.shape[1:])]
+
+
+def _restore(col, records: list):
+    """Restack a column TransferQueue returned jagged if, and only if, put recorded it dense."""
+    import torch
+
+    if not col.is_nested or not records or any(r is None or r[0] != "dense" for r in records):
+        return col
+    shape = records[0][1]
+    if any(r[1] != shape for r in records):
+        return col
+    rows = col.unbind()
+    if any(list(r.shape) != shape for r in rows):
+        return col  # not what was written: let the layout clause see the library's rows
+    return torch.stack(rows)
+
+
+class TransferQueueTransport:
+    """The rlconform transport surface over TransferQueue's KV API (see the module docstring)."""
+
+    def __init__(self, namespace: str | None = None, timeout_s: float | None = None):
+        self._tq = _tq()
+        try:
+            self._client = self._tq.get_client()
+        except AssertionError as exc:
+            raise RuntimeError("TransferQueue is not initialised: enter the backend's session "
+                               "(Backend.session) before making a transport") from exc
+        self._owns_namespace = namespace is None
+        self._ns = namespace or f"rlc-{uuid.uuid4().hex[:10]}"
+        self._timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        self._written: set[str] = set()
+        self._closed = False
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _pid(self, partition: str) -> str:
+        return f"{self._ns}/{partition}"
+
+    def _call(self, coro, what: str):
+        """Run a TransferQueue coroutine on its client loop; give up after the timeout."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("transport is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._client._loop)
+        try:
+            return fut.result(timeout=self._timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise _procs.BackendTimeout(
+                f"TransferQueue {what} did not answer within {self._timeout:g}s: a storage "
+                "unit, the controller or the Mooncake master is probably gone") from None
+
+    def _get_meta(self, partition: str, keys: list[str]):
+        return self._call(self._client.async_kv_retrieve_meta(
+            keys=keys, partition_id=self._pid(partition), create=False), "kv_retrieve_meta")
+
+    # -- the surface -------------------------------------------------------------------------
+    def put(self, partition: str, keys: Sequence[str], columns: dict,
+            tags: Sequence[dict] | None = None) -> None:
+        from tensordict import TensorDict
+
+        keys = list(keys)
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"put got {len(tags)} tags for {len(keys)} keys; tags are 1:1")
+        for name, col in columns.items():
+            if col.size(0) != len(keys):
+                raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
+        layout = {LAYOUT_TAG + name: _layout_record(col) for name, col in columns.items()}
+        per_key = [{**(dict(tags[i]) if tags is not None else {}), **layout}
+                   for i in range(len(keys))]
+        fields = (TensorDict({n: c.detach() for n, c in columns.items()}, batch_size=[len(keys)])
+                  if columns else None)
+        self._written.add(partition)
+        self._call(self._tq.async_kv_batch_put(keys=keys, partition_id=self._pid(partition),
+                                               fields=fields, tags=per_key), "kv_batch_put")
+
+    def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
+            ) -> tuple[dict, list[dict]]:
+        if select_fields is None:
+            raise TypeError("get requires select_fields: name the fields to fetch")
+        keys, fields = list(keys), list(select_fields)
+        try:
+            data = self._call(self._tq.async_kv_batch_get(
+                keys=keys, partition_id=self._pid(partition), select_fields=fields),
+                "kv_batch_get")
+        except ValueError as exc:
+            msg = str(exc)
+            if _NOT_FOUND in msg:
+                raise KeyError(f"keys {keys[:8]} or partition {partition!r} not found "
+                               f"(TransferQueue: {msg})") from None
+            if _NOT_READY in msg:
+                raise KeyError(f"fields {fields} not stored for every key of {keys[:8]} in "
+                               f"partition {partition!r} (TransferQueue: {msg})") from None
+            raise
+        meta = self._get_meta(partition, keys)
+        stored = meta.get_all_custom_meta() if meta.size else []
+        columns = {}
+        for name in data.keys():
+            records = [t.get(LAYOUT_TAG + name) for t in stored]
+            columns[name] = _restore(data[name], records)
+        tags = [{k: v for k, v in t.items() if not k.startswith(LAYOUT_TAG)} for t in stored]
+        return columns, tags
+
+    def list(self, partition: str) -> list[str]:
+        info = self._call(self._tq.async_kv_list(partition_id=self._pid(partition)), "kv_list")
+        if self._pid(partition) not in info:
+            raise KeyError(f"partition {partition!r} does not exist")
+        return list(info[self._pid(partition)])
+
+    def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
+        if keys is None:
+            self._call(self._client.async_clear_partition(self._pid(partition)),
+                       "clear_partition")
+            self._written.discard(partition)
+        else:
+            self._call(self._tq.async_kv_clear(keys=list(keys), partition_id=self._pid(partition)),
+                       "kv_clear")
+
+    def close(self) -> None:
+        """Drop what this instance wrote under its own namespace; the store stays up."""
+        if self._closed:
+            return
+        if self._owns_namespace:
+            self._timeout = min(self._timeout, 5.0)  # a dead store must not stall teardown
+            for partition in list(self._written):
+                try:
+                    self.clear(partition)
+                except _procs.BackendTimeout:
+                    break
+                except Exception:  # best effort: the store may be half gone
+                    continue
+        self._closed = True
+
+
+# -- sessions -----------------------------------------------------------------------------------
+def _mb(var: str, default: int) -> int:
+    return int(os.environ.get(var, str(default)))
+
+
+@contextlib.contextmanager
+def _tq_running(conf: dict) -> Iterator[None]:
+    tq = _tq()
+    tq.init(conf)
+    try:
+        yield
+    finally:
+        tq.close()
+
+
+@contextlib.contextmanager
+def simple_session() -> Iterator[None]:
+    """Ray (2 CPUs) + TransferQueue with one SimpleStorage unit, stopped on exit.
+
+    One storage unit because TransferQueue's init hangs when Ray has fewer CPUs than
+    controller + units (BACKGROUND.md s6), and this machine class has 2 cores.
+    """
+    conf = {"backend": {"storage_backend": "SimpleStorage",
+                        "SimpleStorage": {"num_data_storage_units": 1}}}
+    with _procs.ray_cluster(num_cpus=2, object_store_mb=_mb("RLCONFORM_RAY_OBJECT_STORE_MB", 256)):
+        with _tq_running(conf):
+            yield
+
+
+# The running Mooncake master, for tests that kill it (by PID) to check failure behaviour.
+MOONCAKE_MASTER: _procs.Server | None = None
+
+
+def start_mooncake_master(log_dir: Path | None = None) -> tuple[_procs.Server, int, int]:
+    """Start a mooncake_master on free loopback ports; returns (server, rpc_port, http_port).
+
+    The ELF binary is run directly (the console script execs it anyway), so the PID we hold
+    is the server's. Flags mirror TransferQueue's own bootstrap (no eviction, long leases).
+    """
+    import mooncake
+
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, http, metrics = _procs.free_port(), _procs.free_port(), _procs.free_port()
+    cmd = [str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+           f"--http_metadata_server_port={http}", f"--metrics_port={metrics}",
+           "-client_ttl=30", "-default_kv_lease_ttl=999999", "-default_kv_soft_pin_ttl=999999",
+           "--allow_evict_soft_pinned_objects=false", "--eviction_high_watermark_ratio=1.0",
+           "--eviction_ratio=0.0"]
+    log_dir = log_dir or Path(tempfile.gettempdir())
+    log = log_dir / f"rlconform-mooncake-master-{os.getpid()}-{rpc}.log"
+    return _procs.Server.start("mooncake_master", cmd, log, ports=(rpc, http)), rpc, http
+
+
+@contextlib.contextmanager
+def mooncake_session() -> Iterator[None]:
+    """A mooncake_master (by PID) + Ray + TransferQueue on MooncakeStore over loopback TCP.
+
+    `auto_init: false` because TransferQueue's own bootstrap first runs
+    `pkill -f mooncake_master` (killing every master on the machine). Segment and buffer are
+    small (RLCONFORM_MOONCAKE_SEGMENT_MB, default 256; RLCONFORM_MOONCAKE_BUFFER_MB, 64)
+    because the defaults reserve 4 GiB + 1 GiB per client.
+    """
+    global MOONCAKE_MASTER
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("the transferqueue-mooncake backend needs `pip install "
+                          "mooncake-transfer-engine-non-cuda` and libibverbs1") from exc
+    with _procs.env_vars(MC_TCP_BIND_ADDRESS="127.0.0.1"):
+        master, rpc, http = start_mooncake_master()
+        MOONCAKE_MASTER = master
+        try:
+            conf = {"backend": {"storage_backend": "MooncakeStore", "MooncakeStore": {
+                "auto_init": False, "metadata_server": f"127.0.0.1:{http}",
+                "master_server_address": f"127.0.0.1:{rpc}", "local_hostname": "127.0.0.1",
+                "protocol": "tcp", "device_name": "",
+                "global_segment_size": _mb("RLCONFORM_MOONCAKE_SEGMENT_MB", 256) << 20,
+                "local_buffer_size": _mb("RLCONFORM_MOONCAKE_BUFFER_MB", 64) << 20}}}
+            with _procs.ray_cluster(num_cpus=2,
+                                    object_store_mb=_mb("RLCONFORM_RAY_OBJECT_STORE_MB", 256)):
+                with _tq_running(conf):
+                    yield
+        finally:
+            MOONCAKE_MASTER = None
+            master.stop()
+
+
+simple_backend = Backend(
+    name="transferqueue-simple",
+    description="TransferQueue 0.1.11 KV API on SimpleStorage (one storage unit), Ray in process",
+    transport=TransferQueueTransport,
+    capabilities=frozenset(CAPABILITIES),
+    session=simple_session,
+    requirements=REQUIREMENTS,
+)
+
+mooncake_backend = Backend(
+    name="transferqueue-mooncake",
+    description="TransferQueue 0.1.11 KV API on MooncakeStore over loopback TCP (CPU), "
+    "mooncake_master started by the session",
+    transport=TransferQueueTransport,
+    capabilities=frozenset(CAPABILITIES),
+    session=mooncake_session,
+    requirements=(*REQUIREMENTS, "mooncake-transfer-engine-non-cuda"),
+)

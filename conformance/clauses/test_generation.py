@@ -1,0 +1,143 @@
+"""Rollout-vs-trainer (GEN-*) clauses: the backend's rollout feeding the backend's trainer.
+
+A backend without a trainer surface is paired with the reference trainer. Rewards are
+synthetic and distinct within each group (see test_trainer.py for why).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from rlconform.conformance.catalogue_trainer import GEN_SIR_TOL, GEN_TMPE_TOL
+from rlconform.reference_impl.grpo import dataplane_step
+from rlconform.reference_impl.trainer import TrainerSettings
+
+FAMILIES = ("qwen2_vl", "smolvlm", "gemma3", "text")
+GROUP = 2
+MAX_NEW_TOKENS = 6
+MIXED = (1, 0, 2)
+REFIT_STEPS = 3
+
+
+def _partition() -> str:
+    return f"gen-{uuid.uuid4().hex[:8]}"
+
+
+def _rewards(n: int) -> torch.Tensor:
+    return torch.tensor([((7 * i) % 5) / 4 for i in range(n)], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def cpu_threads(device):
+    """One intra-op thread on CPU (see test_trainer.py: ~10x faster on a busy runner)."""
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def setup(backend, device, dtype, seed, cpu_threads):
+    """(settings, engine, trainer factory, prompts, images) for a family."""
+    from rlconform.conformance.backends.reference import backend as reference
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+
+    make_trainer = backend.trainer if backend.provides("trainer") else reference.trainer
+    make_rollout = backend.rollout if backend.provides("rollout") else reference.rollout
+
+    def build(family: str, n_prompts: int = 3, seed_offset: int = 0):
+        settings = TrainerSettings(family, dtype=dtype, device=device, seed=seed)
+        engine = make_rollout(build_family(family), settings)
+        pattern = [0] if family == "text" else list(MIXED)
+        prompts, images, _ = make_prompts(n_prompts, pattern, seed=seed + seed_offset)
+        prompts = [p for p in prompts for _ in range(GROUP)]
+        images = [i for i in images for _ in range(GROUP)]
+        return settings, engine, make_trainer, prompts, images
+
+    return build
+
+
+def _agreement(out, dtype, record_metric, step=None) -> list[str]:
+    """Record the engine-vs-trainer metrics; the violations of the clause's tolerances."""
+    m = out.metrics
+    for name in ("token_mult_prob_error", "sampling_importance_ratio", "gen_kl_error",
+                 "policy_kl_error"):
+        assert name in m, f"the trainer reported no {name!r} metric"
+        record_metric(name, m[name], step=step)
+    record_metric("probs_ratio", m["probs_ratio"], step=step)
+    tmpe = float(m["token_mult_prob_error"].mean())
+    sir = float(m["sampling_importance_ratio"].mean())
+    bad = []
+    tol = GEN_TMPE_TOL[dtype]
+    if not tmpe <= tol:
+        bad.append(f"token_mult_prob_error {tmpe:.6g} > {tol:g} (max per token "
+                   f"{float(m['token_mult_prob_error'].max()):.4g})")
+    if not abs(sir - 1.0) <= GEN_SIR_TOL:
+        bad.append(f"sampling_importance_ratio {sir:.6g} outside 1 +- {GEN_SIR_TOL:g}")
+    return bad
+
+
+# -- GEN-LOGPROB-AGREEMENT ----------------------------------------------------------------
+@pytest.mark.clause("GEN-LOGPROB-AGREEMENT")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_logprobs_agree_with_prev_logprobs(transport, codec, meta_cls, dtype,
+                                                      record_metric, setup, family):
+    settings, engine, make_trainer, prompts, images = setup(family)
+    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=0)
+    trainer = make_trainer(settings, transport, codec)
+    out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
+                         rewards=_rewards(len(batch)), group_size=GROUP)
+    n = int(batch["token_mask"].sum())
+    assert out.metrics["token_mult_prob_error"].numel() == n, \
+        "the agreement metrics do not cover every loss token"
+    bad = _agreement(out, dtype, record_metric)
+    assert not bad, "engine and trainer disagree: " + "; ".join(bad)
+
+
+# -- GEN-ORDINARY-TOKENS ------------------------------------------------------------------
+@pytest.mark.clause("GEN-ORDINARY-TOKENS")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollout_samples_ordinary_tokens_only(setup, family):
+    from rlconform.fixtures.families import build_family
+
+    _, engine, _, prompts, images = setup(family)
+    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=1)
+    allowed = set(build_family(family).ordinary_token_ids().tolist())
+    ids, mask = batch["input_ids"], batch["token_mask"].bool()
+    lens, plens = batch["input_lengths"], batch["prompt_lengths"]
+    gen = batch["generation_logprobs"]
+    for i in range(len(batch)):
+        want = torch.zeros_like(mask[i])
+        want[int(plens[i]):int(lens[i])] = True
+        assert torch.equal(mask[i], want), f"row {i}: token_mask is not exactly the completion"
+        sampled = ids[i][mask[i]].tolist()
+        assert sampled, f"row {i}: empty completion"
+        special = sorted(set(sampled) - allowed)
+        assert not special, f"row {i}: sampled non-ordinary token ids {special}"
+        assert bool((gen[i][~mask[i]] == 0).all()), \
+            f"row {i}: generation_logprobs non-zero outside the completion"
+        on = gen[i][mask[i]]
+        assert bool(torch.isfinite(on).all() and (on < 0).all()), \
+            f"row {i}: generation_logprobs on the completion must be finite and < 0"
+
+
+# -- GEN-REFIT-SYNC -----------------------------------------------------------------------
+@pytest.mark.clause("GEN-REFIT-SYNC")
+@pytest.mark.parametrize("family", ("qwen2_vl", "text"))
+def test_engine_stays_in_sync_across_refits(transport, codec, meta_cls, dtype, record_metric,
+                                            setup, family):
+    settings, engine, make_trainer, prompts, images = setup(family, n_prompts=2)
+    trainer = make_trainer(settings, transport, codec)
+    failures = []
+    for step in range(REFIT_STEPS):
+        batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=step)
+        out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
+                             rewards=_rewards(len(batch)), group_size=GROUP)
+        failures += [f"step {step}: {b}" for b in _agreement(out, dtype, record_metric, step)]
+        engine.refit(trainer.state_dict())
+    assert not failures, "engine out of sync with the trainer after a refit: " + \
+        "; ".join(failures)

@@ -1,0 +1,365 @@
+"""Trainer clauses: one real GRPO step of a tiny VLM, through the backend's trainer.
+
+Batches come from the *reference* rollout (built once per module), so these clauses measure
+the trainer alone; GEN-* clauses (test_generation.py) pair the backend's rollout with it.
+Rewards are synthetic and distinct within each group: a random tiny policy rarely earns a
+reward, and equal rewards make every advantage 0 and every gradient check vacuous.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from rlconform.conformance.catalogue_trainer import (
+    RATIO_CANARY_RTOL,
+    RATIO_CANARY_SHIFT,
+    TRUNCATION_LOGPROB_TOL,
+)
+from rlconform.reference_impl.grpo import dataplane_step, legacy_step
+from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.recording import (
+    RecordingTransport,
+    media_mismatches,
+    record_forwards,
+)
+from rlconform.reference_impl.registry import FIELDS
+from rlconform.reference_impl.trainer import TrainerSettings
+
+FAMILIES = ("qwen2_vl", "smolvlm", "gemma3", "text")
+VLM_FAMILIES = tuple(f for f in FAMILIES if f != "text")
+GROUP = 2
+MAX_NEW_TOKENS = 6
+# images per prompt, cycled; the text family takes none
+MIXED = (1, 0, 2)
+
+
+def _images(family: str, pattern) -> tuple[int, ...]:
+    return (0,) if family == "text" else tuple(pattern)
+
+
+def _partition() -> str:
+    return f"train-{uuid.uuid4().hex[:8]}"
+
+
+def _rewards(n: int) -> torch.Tensor:
+    """Deterministic, distinct within every group of two."""
+    return torch.tensor([((7 * i) % 5) / 4 for i in range(n)], dtype=torch.float32)
+
+
+class Rollouts:
+    """Reference-rollout batches, cached per (family, pattern, groups, group size)."""
+
+    def __init__(self, device: str, dtype: torch.dtype, seed: int):
+        self.device, self.dtype, self.seed = device, dtype, seed
+        self._engines: dict = {}
+        self._batches: dict = {}
+
+    def settings(self, family: str, **kw) -> TrainerSettings:
+        return TrainerSettings(family, dtype=self.dtype, device=self.device, seed=self.seed,
+                               **kw)
+
+    def get(self, family: str, pattern=MIXED, n_prompts: int = 3, group: int = GROUP):
+        from rlconform.fixtures.families import build_family
+        from rlconform.fixtures.images import make_prompts
+        from rlconform.reference_impl.rollout import HFRollout
+
+        key = (family, tuple(pattern), n_prompts, group)
+        if key not in self._batches:
+            fam = build_family(family)
+            if family not in self._engines:
+                self._engines[family] = HFRollout(fam, self.settings(family))
+            prompts, images, _ = make_prompts(n_prompts, list(_images(family, pattern)),
+                                              seed=self.seed)
+            prompts = [p for p in prompts for _ in range(group)]
+            images = [i for i in images for _ in range(group)]
+            batch = self._engines[family].generate(prompts, images, MAX_NEW_TOKENS,
+                                                   seed=self.seed)
+            self._batches[key] = (batch, prompts, images)
+        return self._batches[key]
+
+
+@pytest.fixture(scope="module")
+def rollouts(device, dtype, seed):
+    """One intra-op thread on CPU: hidden-64 models gain nothing from more, and on a busy
+    2-core runner spinning worker threads made each step ~10x slower (logprobs are bitwise
+    the same for any thread count, BACKGROUND.md s7)."""
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    yield Rollouts(device, dtype, seed)
+    torch.set_num_threads(threads)
+
+
+def _step(backend, transport, codec, meta_cls, settings, batch, **kw):
+    """A data-plane step on a recording transport, with the trainer's forwards logged."""
+    rec = RecordingTransport(transport, on_put=kw.pop("on_put", None))
+    trainer = backend.trainer(settings, rec, codec)
+    hooks = [record_forwards(trainer.model, rec.events, "policy")]
+    ref = getattr(trainer, "reference_model", None)
+    if ref is not None and ref is not trainer.model:
+        hooks.append(record_forwards(ref, rec.events, "reference"))
+    try:
+        if "advantages" not in kw:
+            kw.setdefault("rewards", _rewards(len(batch)))
+            kw.setdefault("group_size", GROUP)
+        out = dataplane_step(batch, trainer, rec, codec, meta_cls, _partition(), **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, rec, trainer
+
+
+def _record_ratio(record_metric, out) -> torch.Tensor:
+    ratio = out.metrics["probs_ratio"]
+    record_metric("probs_ratio", ratio)
+    record_metric("probs_ratio_clamped", out.metrics["probs_ratio_clamped"])
+    record_metric("probs_ratio_min", float(ratio.min()))
+    record_metric("probs_ratio_max", float(ratio.max()))
+    record_metric("probs_ratio_mean", float(ratio.mean()))
+    record_metric("grad_norm", out.grad_norm)
+    return ratio
+
+
+def _assert_ratio_one(ratio: torch.Tensor, n_tokens: int) -> None:
+    assert ratio.numel() == n_tokens, \
+        f"probs_ratio has {ratio.numel()} values for {n_tokens} loss tokens"
+    assert bool((ratio == 1.0).all()), (
+        f"probs_ratio must be exactly 1.0 with one inner step: min {ratio.min().item():.9g}, "
+        f"max {ratio.max().item():.9g}, mean {ratio.mean().item():.9g}, "
+        f"{int((ratio != 1.0).sum())}/{ratio.numel()} tokens differ")
+
+
+def _multimodal(fields) -> set[str]:
+    return {f for f in fields if f in FIELDS and FIELDS[f].multimodal}
+
+
+def _train_fetch(rec: RecordingTransport):
+    """The train fetch: the last get of the step (after the reference put)."""
+    gets = rec.of("get")
+    assert gets, "the trainer fetched nothing through the transport"
+    return gets[-1]
+
+
+# -- TRAIN-RATIO-ONE ----------------------------------------------------------------------
+@pytest.mark.clause("TRAIN-RATIO-ONE")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ratio_one_from_independent_recompute(backend, transport, codec, meta_cls,
+                                              record_metric, rollouts, family):
+    batch, _, _ = rollouts.get(family)
+    out, rec, _ = _step(backend, transport, codec, meta_cls, rollouts.settings(family), batch)
+    ratio = _record_ratio(record_metric, out)
+
+    fetch = rec.fetch_before("prev_logprobs")
+    assert fetch and fetch[0] is not None, \
+        "no prev_logprobs column was put after a fetch: the prev-logprob pass did not run " \
+        "through the transport"
+    put = rec.put_of("prev_logprobs")[0]
+    keys = set(out.extra["keys"])
+    assert set(fetch[0].keys) == set(put.keys) == keys, \
+        "the prev-logprob pass fetched or wrote other keys than the step's"
+    assert "input_ids" in fetch[0].fields, "the prev-logprob fetch did not ask for input_ids"
+    assert rec.forwards_between(fetch[0], put), \
+        "no forward of the policy ran between the prev-logprob fetch and its put"
+    assert "prev_logprobs" in _train_fetch(rec).fields, \
+        "the train pass did not read prev_logprobs back from the store"
+    _assert_ratio_one(ratio, int(batch["token_mask"].sum()))
+
+
+@pytest.mark.clause("TRAIN-RATIO-ONE")
+@pytest.mark.parametrize("family", ("qwen2_vl", "text"))
+def test_ratio_follows_the_stored_prev_logprobs(backend, transport, codec, meta_cls,
+                                                record_metric, rollouts, family):
+    """Canary: shift the stored prev_logprobs; an earned ratio moves, a forced one stays 1."""
+    batch, _, _ = rollouts.get(family)
+
+    def shift(name, col):
+        if name != "prev_logprobs":
+            return col
+        return torch.nested.nested_tensor_from_jagged(col.values() + RATIO_CANARY_SHIFT,
+                                                      offsets=col.offsets())
+
+    out, _, _ = _step(backend, transport, codec, meta_cls, rollouts.settings(family), batch,
+                      on_put=shift)
+    ratio = out.metrics["probs_ratio"]
+    record_metric("probs_ratio_canary", ratio)
+    want = torch.full_like(ratio, float(torch.exp(torch.tensor(-RATIO_CANARY_SHIFT))))
+    assert ratio.numel() == int(batch["token_mask"].sum())
+    assert torch.allclose(ratio, want, rtol=RATIO_CANARY_RTOL, atol=0), (
+        f"with the stored prev_logprobs shifted by +{RATIO_CANARY_SHIFT}, probs_ratio must be "
+        f"exp(-{RATIO_CANARY_SHIFT}) = {want[0].item():.6f}; got min {ratio.min().item():.6f}, "
+        f"max {ratio.max().item():.6f}: the train pass does not use the prev-logprob column")
+
+
+# -- TRAIN-FIELD-PARITY -------------------------------------------------------------------
+@pytest.mark.clause("TRAIN-FIELD-PARITY")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stage_fetches_ask_for_the_processor_fields(backend, transport, codec, meta_cls,
+                                                    record_metric, rollouts, family):
+    from rlconform.fixtures.families import build_family
+
+    batch, prompts, images = rollouts.get(family)
+    emitted = set(build_family(family).process(prompts, images)) - {"input_ids",
+                                                                    "attention_mask"}
+    out, rec, _ = _step(backend, transport, codec, meta_cls, rollouts.settings(family), batch)
+    ratio = _record_ratio(record_metric, out)  # the fingerprint, recorded before any assert
+    stages = {
+        "logprob": rec.fetch_before("prev_logprobs"),
+        "reference_logprob": rec.fetch_before("reference_logprobs"),
+    }
+    seen = {}
+    for stage, fetches in stages.items():
+        assert fetches and fetches[0] is not None, f"no {stage} fetch was recorded"
+        seen[stage] = _multimodal(fetches[0].fields) | (set(fetches[0].fields) & emitted)
+    train = _train_fetch(rec)
+    seen["train"] = _multimodal(train.fields) | (set(train.fields) & emitted)
+    for stage, got in seen.items():
+        assert got == emitted, (
+            f"the {stage} fetch asked for multimodal fields {sorted(got)}; the processor "
+            f"emitted {sorted(emitted)} (missing {sorted(emitted - got)}, extra "
+            f"{sorted(got - emitted)})")
+    _assert_ratio_one(ratio, int(batch["token_mask"].sum()))
+
+
+# -- TRAIN-LEGACY-PARITY ------------------------------------------------------------------
+_CASES = {  # name -> (images per prompt, prompts, world)
+    "image": ((1,), 2, 1),
+    "mixed": (MIXED, 3, 1),
+    "media_free": ((0,), 2, 1),
+    "dp_media_free_shard": ((1, 0), 2, 2),
+}
+_PARITY = [(f, c) for f in VLM_FAMILIES for c in _CASES] + [("text", "text"),
+                                                             ("text", "text_dp")]
+
+
+def _assert_same_step(dp, legacy) -> None:
+    assert dp.shards == legacy.shards, f"DP shards differ: {dp.shards} vs {legacy.shards}"
+    assert dp.loss == legacy.loss, f"loss {dp.loss!r} (data plane) != {legacy.loss!r} (legacy)"
+    assert dp.grad_norm == legacy.grad_norm, \
+        f"grad norm {dp.grad_norm!r} (data plane) != {legacy.grad_norm!r} (legacy)"
+    assert set(dp.metrics) == set(legacy.metrics), \
+        f"metrics {sorted(dp.metrics)} vs {sorted(legacy.metrics)}"
+    for k in dp.metrics:
+        a, b = dp.metrics[k], legacy.metrics[k]
+        assert a.shape == b.shape and torch.equal(a, b), \
+            f"metric {k!r} differs: max |diff| " \
+            f"{(a - b).abs().max().item() if a.shape == b.shape else 'shape'}"
+    diff = [k for k in legacy.state_dict if not torch.equal(dp.state_dict[k],
+                                                            legacy.state_dict[k])]
+    assert not diff, f"updated weights differ in {len(diff)} tensors, e.g. {diff[:3]}"
+
+
+@pytest.mark.clause("TRAIN-LEGACY-PARITY")
+@pytest.mark.parametrize("family,case", _PARITY)
+def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
+                                            record_metric, rollouts, family, case):
+    if family == "text":
+        pattern, n, world = (0,), 2, 2 if case == "text_dp" else 1
+    else:
+        pattern, n, world = _CASES[case]
+    kw: dict = {"world": world}
+    if case == "dp_media_free_shard":
+        # one image prompt, one text prompt, no groups: exactly one of the two shards is
+        # media-free whichever way shard_for_dp balances them
+        batch, _, _ = rollouts.get(family, pattern, n, group=2)
+        batch = batch.select([0, 2, 3])  # one image row and two text rows
+        kw["advantages"] = torch.tensor([1.0, -0.5, 0.25])
+    else:
+        batch, _, _ = rollouts.get(family, pattern, n)
+    settings = rollouts.settings(family)
+    dp, _, trainer = _step(backend, transport, codec, meta_cls, settings, batch, **dict(kw))
+    if "advantages" not in kw:
+        kw.update(rewards=_rewards(len(batch)), group_size=GROUP)
+    legacy_trainer = backend.trainer(settings)
+    initial = {k: v.detach().cpu().clone() for k, v in legacy_trainer.model.state_dict().items()}
+    legacy = legacy_step(batch, legacy_trainer, meta_cls=meta_cls, **kw)
+    record_metric("grad_norm", dp.grad_norm)
+    record_metric("probs_ratio", dp.metrics["probs_ratio"])
+    if case == "dp_media_free_shard":
+        media = next(v for v in batch.fields.values() if isinstance(v, PackedTensor))
+        free = [s for s in dp.shards if all(media.is_none(i) for i in s)]
+        assert free, f"test setup: no media-free shard in {dp.shards}"
+    assert legacy.grad_norm > 0, "test setup: zero gradient makes the comparison vacuous"
+    assert any(not torch.equal(initial[k], legacy.state_dict[k]) for k in initial), \
+        "test setup: the step changed no weight"
+    _assert_same_step(dp, legacy)
+
+
+# -- TRAIN-TRUNCATION-MEDIA ---------------------------------------------------------------
+def _prev_rows(rec: RecordingTransport) -> list[torch.Tensor]:
+    rows: list[torch.Tensor] = []
+    for e in rec.put_of("prev_logprobs"):
+        rows += list(e.data["prev_logprobs"].unbind())
+    return rows
+
+
+@pytest.mark.clause("TRAIN-TRUNCATION-MEDIA")
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_truncation_and_dynamic_micro_batches_keep_media(backend, transport, codec, meta_cls,
+                                                         dtype, record_metric, rollouts,
+                                                         family):
+    batch, _, _ = rollouts.get(family, MIXED, 3, group=2)
+    batch = batch.select([0, 2, 4, 1, 3, 5])  # distinct prompts side by side in micro-batches
+    n = len(batch)
+    advantages = torch.linspace(-1.0, 1.0, n)
+    cut = int(batch["prompt_lengths"].max()) + 2  # every prompt kept whole, completions cut
+    assert int(batch["input_lengths"].max()) > cut, "test setup: truncation cuts nothing"
+    truncated = rollouts.settings(family, max_seq_len=cut, max_tokens_per_micro_batch=3 * cut)
+    out, rec, _ = _step(backend, transport, codec, meta_cls, truncated, batch,
+                        advantages=advantages)
+    whole = rollouts.settings(family, micro_batch_size=n)
+    _, rec_whole, _ = _step(backend, transport, codec, meta_cls, whole, batch,
+                            advantages=advantages)
+
+    ratio = _record_ratio(record_metric, out)
+    problems = media_mismatches(rec.events, batch)
+    forwards = rec.of("forward")
+    assert forwards, "no forward of the trainer's model was observed"
+    assert not problems, "media seen by the model differ from the rollout's:\n  " + \
+        "\n  ".join(problems[:6])
+    kept = batch["input_lengths"].clamp(max=cut)
+    _assert_ratio_one(ratio, int(batch["token_mask"][:, :cut].sum()))
+    a, b = _prev_rows(rec), _prev_rows(rec_whole)
+    assert len(a) == len(b) == n
+    diff = torch.cat([(x[1:k] - y[1:k]).abs() for x, y, k in zip(a, b, kept.tolist())])
+    record_metric("truncation_logprob_abs_diff", diff)
+    tol = TRUNCATION_LOGPROB_TOL[dtype]
+    assert float(diff.max()) <= tol, (
+        f"logprobs at kept positions differ from the untruncated single-micro-batch run by "
+        f"up to {float(diff.max()):.3g} (> {tol:g})")
+
+
+# -- TRAIN-REFERENCE-FROZEN ---------------------------------------------------------------
+@pytest.mark.clause("TRAIN-REFERENCE-FROZEN")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_pass_uses_frozen_initial_weights(backend, transport, codec, meta_cls,
+                                                    record_metric, rollouts, family):
+    batch, _, _ = rollouts.get(family)
+    rec = RecordingTransport(transport)
+    trainer = backend.trainer(rollouts.settings(family), rec, codec)
+    columns = []
+    for step in range(2):
+        out = dataplane_step(batch, trainer, rec, codec, meta_cls, _partition(),
+                             rewards=_rewards(len(batch)), group_size=GROUP)
+        prev = [r for e in rec.put_of("prev_logprobs")[-1:] for r in
+                e.data["prev_logprobs"].unbind()]
+        ref = [r for e in rec.put_of("reference_logprobs")[-1:] for r in
+               e.data["reference_logprobs"].unbind()]
+        columns.append((prev, ref))
+        if "reference_kl" in out.metrics:
+            record_metric("reference_kl", out.metrics["reference_kl"], step=step)
+            if step == 0:
+                assert bool((out.metrics["reference_kl"] == 0).all()), \
+                    "reference_kl must be exactly 0 at step 0"
+    (prev0, ref0), (prev1, ref1) = columns
+    assert all(torch.equal(p, r) for p, r in zip(prev0, ref0)), \
+        "at step 0 the reference logprobs must equal the prev logprobs (same initial weights)"
+    assert any(not torch.equal(p, q) for p, q in zip(prev0, prev1)), \
+        "test setup: the update did not change the policy's logprobs"
+    drift = max(float((r1 - r0).abs().max()) for r0, r1 in zip(ref0, ref1))
+    record_metric("reference_drift_after_update", drift)
+    assert drift == 0.0, (
+        f"after an update the reference logprobs moved by up to {drift:.3g}: the reference "
+        "policy is not the frozen initial weights")
+

@@ -1,0 +1,182 @@
+"""Trainer mutants: the reference trainer with one field-seen defect each, on the data plane.
+
+Each defect lives in the data-plane path; the in-memory (legacy) trainer of a mutant is the
+reference one, as in the field, where the legacy path was the yardstick that exposed them.
+"""
+
+from __future__ import annotations
+
+from rlconform.conformance.mutants import mutant
+from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.registry import Kind, Stage, spec
+from rlconform.reference_impl.trainer import DataPlaneTrainer, GRPOCore, LegacyTrainer
+
+
+def _backend(dataplane_cls: type):
+    from rlconform.conformance.backends.reference import build
+
+    def make_trainer(settings, transport=None, codec=None, model=None):
+        if transport is None:
+            return LegacyTrainer(settings, model)
+        if codec is None:
+            from rlconform.reference_impl.codec import ReferenceCodec
+
+            codec = ReferenceCodec()
+        return dataplane_cls(settings, transport, codec, model)
+
+    return build(trainer=make_trainer)
+
+
+# -- forced on-policy ratio ---------------------------------------------------------------
+class _DetachCore(GRPOCore):
+    def old_logprobs(self, mb, logp):
+        return logp.detach()  # the defect: ratio == 1 by construction
+
+
+class _ForcedRatio(DataPlaneTrainer):
+    core_cls = _DetachCore
+
+    def compute_logprobs(self, meta, stage):
+        if stage is Stage.LOGPROB:
+            return meta  # "one inner step is on-policy": the recompute is skipped
+        return super().compute_logprobs(meta, stage)
+
+
+class _ForcedRatioAfterRecompute(DataPlaneTrainer):
+    core_cls = _DetachCore
+
+
+@mutant("forced_ratio", "on-policy shortcut: prev logprobs never recomputed, the train pass "
+        "sets old_logp = logp.detach(), so probs_ratio == 1 by construction", "trainer")
+def forced_ratio():
+    return _backend(_ForcedRatio)
+
+
+@mutant("forced_ratio_after_recompute", "the prev-logprob pass runs and writes its column, but "
+        "the train pass ignores it and sets old_logp = logp.detach()", "trainer")
+def forced_ratio_after_recompute():
+    return _backend(_ForcedRatioAfterRecompute)
+
+
+# -- static fetch lists -------------------------------------------------------------------
+def _blind(stage: Stage, drop):
+    class _Blind(DataPlaneTrainer):
+        def stage_fields(self, meta, s):
+            fields = super().stage_fields(meta, s)
+            return [f for f in fields if not drop(f)] if s is stage else fields
+
+    return _Blind
+
+
+def _multimodal(name: str) -> bool:
+    return spec(name).multimodal
+
+
+def _per_token_map(name: str) -> bool:
+    return spec(name).multimodal and spec(name).kind is Kind.PER_TOKEN
+
+
+@mutant("image_blind_train_fetch", "the train fetch used a static text-only field list while "
+        "the logprob fetch had images (probs_ratio_max 216-2661, min 0.0, mean ~0.998)",
+        "trainer")
+def image_blind_train_fetch():
+    return _backend(_blind(Stage.TRAIN, _multimodal))
+
+
+@mutant("image_blind_logprob_fetch", "the prev-logprob fetch used a static text-only field "
+        "list: prev_logprobs image-blind while generation and training saw the images",
+        "trainer")
+def image_blind_logprob_fetch():
+    return _backend(_blind(Stage.LOGPROB, _multimodal))
+
+
+@mutant("per_token_map_missing_in_train", "the train fetch dropped the per-token multimodal "
+        "map (mm_token_type_ids / token_type_ids): Qwen-VL raises, Gemma3 loses image "
+        "attention", "trainer")
+def per_token_map_missing_in_train():
+    return _backend(_blind(Stage.TRAIN, _per_token_map))
+
+
+# -- reference policy ---------------------------------------------------------------------
+class _StaleReferenceCore(GRPOCore):
+    def train(self, shards):
+        out = super().train(shards)
+        self.reference_model.load_state_dict(self.model.state_dict())  # the defect
+        return out
+
+
+class _StaleReference(DataPlaneTrainer):
+    core_cls = _StaleReferenceCore
+
+
+@mutant("stale_reference_weights", "the reference policy was re-synced from the policy after "
+        "each step instead of staying frozen at the initial weights: the KL anchor drifts",
+        "trainer")
+def stale_reference_weights():
+    return _backend(_StaleReference)
+
+
+# -- engine refit -------------------------------------------------------------------------
+class _RefitAtStep1(DataPlaneTrainer):
+    def state_dict(self):
+        if self.core.steps == 1:  # the defect: step 1's refit pushes the initial checkpoint
+            return {k: v.detach().cpu().clone()
+                    for k, v in self.core.reference_model.state_dict().items()}
+        return super().state_dict()
+
+
+@mutant("refit_engine_at_step1", "the data-plane trainer refit the generation engine at step 1 "
+        "from its initial checkpoint although the engine was in sync: token_mult_prob_error "
+        "~40 at step 1, settling later", "trainer")
+def refit_engine_at_step1():
+    return _backend(_RefitAtStep1)
+
+
+# -- truncation and dynamic micro-batching ------------------------------------------------
+class _NarrowCore(GRPOCore):
+    def prepare(self, batch: Batch) -> Batch:
+        n = self.settings.max_seq_len
+        out = super().prepare(batch)
+        if n is None or batch.seq_len() <= n:
+            return out
+        fields = {}
+        for name, v in out.fields.items():  # the defect: every >= 2-D tensor cut on dim 1
+            if isinstance(v, PackedTensor):
+                v = PackedTensor([s.narrow(1, 0, n) if s.dim() >= 2 else s for s in v.segments],
+                                 v.rows, v.pack_dim)
+            fields[name] = v
+        return Batch(fields, out.family, dict(out.extra))
+
+
+class _NarrowTruncation(DataPlaneTrainer):
+    core_cls = _NarrowCore
+
+
+@mutant("truncation_narrows_media", "truncate_tensors narrowed every >= 2-D tensor on dim 1: "
+        "pixel_values silently cut, or narrow(): length > size", "trainer")
+def truncation_narrows_media():
+    return _backend(_NarrowTruncation)
+
+
+class _SortedCore(GRPOCore):
+    def select_micro_batch(self, batch: Batch, rows):
+        if self.settings.max_tokens_per_micro_batch is None:
+            return super().select_micro_batch(batch, rows)
+        lens = batch.seq_lens.tolist()
+        order = sorted(rows, key=lambda i: -lens[i])  # pack longest first ...
+        sel = batch.select(order)
+        packed = batch.select(rows)  # ... but the media keep the unsorted order (the defect)
+        return sel.replace(**{n: v for n, v in packed.fields.items()
+                              if isinstance(v, PackedTensor)})
+
+
+class _SortedMicroBatches(DataPlaneTrainer):
+    core_cls = _SortedCore
+
+
+@mutant("dynamic_batching_misaligns_media", "dynamic micro-batching sorted rows by length and "
+        "permuted the tensors but not the jagged media: images land on the wrong samples",
+        "trainer")
+def dynamic_batching_misaligns_media():
+    return _backend(_SortedMicroBatches)

@@ -1,0 +1,89 @@
+"""rlconform's sessions: conformance (the main job), tests, lint, mutants, bench, e2e.
+
+CPU runs pin torch==2.13.0 (constraints/cpu.txt): a plain `torch` requirement would pull a
+multi-GB CUDA build. On a GPU box set RLCONFORM_TORCH=system to use the torch already installed
+(the session then runs in a venv that sees the system site-packages).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["conformance"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).parent
+SYSTEM_TORCH = os.environ.get("RLCONFORM_TORCH") == "system"
+CONSTRAINTS = [] if SYSTEM_TORCH else ["-c", str(ROOT / "constraints" / "cpu.txt")]
+VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
+
+
+def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = ()) -> None:
+    if not SYSTEM_TORCH:
+        session.install(*CONSTRAINTS, "torch==2.13.0")
+    target = f".[{','.join(extras)}]" if extras else "."
+    session.install(*CONSTRAINTS, target, *backend_reqs)
+
+
+def _backend_requirements(posargs: list[str]) -> tuple[str, ...]:
+    """What `--backend NAME` needs beyond rlconform, from the bundled backends' table."""
+    if "--backend" not in posargs:
+        return ()
+    import runpy
+
+    table = runpy.run_path(str(ROOT / "conformance" / "backends" / "__init__.py"))
+    return table["requirements"](posargs[posargs.index("--backend") + 1])
+
+
+@nox.session(**VENV)
+def conformance(session: nox.Session) -> None:
+    """Run the clause suite (default: the embedded reference backend) and write its reports.
+
+    `nox -s conformance -- --backend NAME|module:attr|all [--profile ci] [--device cuda] ...`
+    """
+    args = list(session.posargs)
+    _install(session, backend_reqs=_backend_requirements(args))
+    if "--profile" not in args:
+        args += ["--profile", "ci"]
+    if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
+        # the reference's report carries the mutant kill matrix: run the mutants first
+        session.run("rlconform", "mutants", "--report-dir", "reports/out")
+    session.run("rlconform", "run", *args)
+
+
+@nox.session(**VENV)
+def tests(session: nox.Session) -> None:
+    """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
+    _install(session, "dev", "transferqueue")
+    session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), *session.posargs)
+
+
+@nox.session(**VENV)
+def mutants(session: nox.Session) -> None:
+    """Run every mutant against the clauses and write reports/out/mutants/kill_matrix.json."""
+    _install(session)
+    session.run("rlconform", "mutants", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(**VENV)
+def bench(session: nox.Session) -> None:
+    """Codec and transport throughput as ratios to torch.clone measured in the same run."""
+    _install(session)
+    session.run("python", "bench/bench_dataplane.py", *session.posargs)
+
+
+@nox.session(**VENV)
+def e2e(session: nox.Session) -> None:
+    """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box)."""
+    _install(session)
+    session.run("python", "-m", "rlconform.e2e.grpo_run", *session.posargs)

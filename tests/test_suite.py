@@ -1,0 +1,199 @@
+"""The suite's own tests: the reference passes, every mutant dies, waivers and skips count.
+
+Each run goes through the real entry point (`rlconform run`, a pytest session with the plugin)
+in a subprocess, so what is tested is what a backend author runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlconform.conformance import catalogue
+from rlconform.conformance.docs import tests_by_clause as clause_tests
+from rlconform.conformance.mutants import load_all
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_suite(tmp_path: Path, backend: str, *extra: str, env: dict | None = None):
+    """Run the clause suite; returns (exit code, report dict or None, output)."""
+    out_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    cmd = [sys.executable, "-m", "rlconform.conformance.cli", "run", "--backend", backend,
+           "--workers", "0", "--report-dir", str(out_dir), "-q", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=900)
+    found = sorted(out_dir.glob("*/report.json"))
+    report = json.loads(found[0].read_text()) if found else None
+    return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in report["clauses"]}
+
+
+# -- the catalogue is consistent -----------------------------------------------------------
+def test_every_clause_has_tests_a_defect_and_mutants():
+    tests = clause_tests()
+    mutants = load_all()
+    for c in catalogue.CLAUSES:
+        assert tests.get(c.id), f"clause {c.id} has no test"
+        assert c.defect.strip(), f"clause {c.id} names no defect"
+        assert c.must.strip().endswith("."), f"clause {c.id}'s MUST statement is not a sentence"
+        assert c.mutants, f"clause {c.id} names no mutant it must kill"
+        unknown = [m for m in c.mutants if m not in mutants]
+        assert not unknown, f"clause {c.id} names unknown mutants {unknown}"
+    named = {m for c in catalogue.CLAUSES for m in c.mutants}
+    orphans = sorted(set(mutants) - named)
+    assert not orphans, f"mutants no clause claims to kill: {orphans}"
+
+
+def test_tests_name_only_known_clauses():
+    unknown = sorted(set(clause_tests()) - set(catalogue.BY_ID))
+    assert not unknown, f"tests tied to clauses missing from the catalogue: {unknown}"
+
+
+# -- reference and mutants -----------------------------------------------------------------
+@pytest.mark.slow
+def test_reference_passes_every_clause(tmp_path):
+    code, report, out = run_suite(tmp_path, "reference", "--profile", "ci")
+    assert report is not None, out[-3000:]
+    bad = {k: v for k, v in statuses(report).items() if v != "passed"}
+    assert not bad, f"reference clauses not passing: {bad}\n{out[-3000:]}"
+    assert code == 0, out[-3000:]
+    assert {c.id for c in catalogue.CLAUSES} == set(statuses(report)), "clauses missing"
+    for f in ("report.json", "report.md", "report.html", "junit.xml"):
+        assert (tmp_path / "run0" / "reference" / f).stat().st_size > 0, f"{f} not written"
+
+
+@pytest.mark.slow
+def test_kill_matrix(tmp_path):
+    from rlconform.conformance.runner import kill_matrix
+
+    m = kill_matrix(tmp_path, jobs=2)
+    survivors = {r["name"]: r.get("error", "") for r in m["mutants"] if not r["killed"]}
+    assert not survivors, f"mutants not killed by a clause that names them: {survivors}"
+    assert not m["clauses_without_kill"], \
+        f"clauses that kill no mutant: {m['clauses_without_kill']}"
+    assert (tmp_path / "mutants" / "kill_matrix.json").is_file()
+
+
+# -- statuses, waivers, skips --------------------------------------------------------------
+def _waiver_file(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "waivers.toml"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_waived_failure_passes_and_is_reported(tmp_path):
+    w = _waiver_file(tmp_path, """
+        [[waiver]]
+        clause = "DP-NO-ALIAS"
+        category = "backend-bug"
+        reason = "put keeps the caller's tensor"
+        expires = 2099-01-01
+    """)
+    code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
+                                  "--expectations", str(w))
+    st = statuses(report)
+    assert st["DP-NO-ALIAS"] == "waived", out[-2000:]
+    assert report["clauses"][[c["id"] for c in report["clauses"]].index("DP-NO-ALIAS")][
+        "waiver"]["category"] == "backend-bug"
+    assert code == 0, f"a run whose only failure is waived must pass\n{out[-2000:]}"
+
+
+def test_waived_clause_that_passes_is_xpass_and_fails(tmp_path):
+    w = _waiver_file(tmp_path, """
+        [[waiver]]
+        clause = "DP-TAGS"
+        category = "future"
+        reason = "thought broken"
+        expires = 2099-01-01
+    """)
+    code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
+                                  "--expectations", str(w))
+    assert statuses(report)["DP-TAGS"] == "xpass"
+    assert code != 0
+
+
+@pytest.mark.parametrize("body, problem", [
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nexpires = 2001-01-01', "expired"),
+    ('clause = "NOPE-1"\ncategory = "future"\nreason = "r"\nexpires = 2099-01-01', "NOPE-1"),
+    ('clause = "DP-TAGS"\ncategory = "meh"\nreason = "r"\nexpires = 2099-01-01', "category"),
+])
+def test_bad_waivers_fail_the_run(tmp_path, body, problem):
+    w = _waiver_file(tmp_path, "[[waiver]]\n" + body + "\n")
+    code, report, out = run_suite(tmp_path, "reference", "--surfaces", "meta",
+                                  "--expectations", str(w))
+    assert code != 0, out[-2000:]
+    assert any(problem in p for p in report["problems"]), report["problems"]
+
+
+SKIPPING_BACKEND = '''
+import pytest
+from rlconform.conformance.backend import Backend
+from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+def _transport():
+    pytest.skip("storage not reachable")
+
+backend = Backend(name="skipper", transport=_transport, capabilities={"partitions"})
+transport_only = Backend(name="transport-only", transport=InMemoryDataPlane,
+                         capabilities={"partitions"})
+'''
+
+
+def test_skip_of_a_declared_surface_fails_and_undeclared_is_not_applicable(tmp_path):
+    (tmp_path / "skipper_backend.py").write_text(SKIPPING_BACKEND)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, report, out = run_suite(tmp_path, "skipper_backend:backend", "--surfaces",
+                                  "transport,codec", env=env)
+    st = statuses(report)
+    assert st["DP-TAGS"] == "skipped", st
+    assert st["WIRE-ROUNDTRIP"] == "not_applicable", st
+    assert code != 0, "a skipped declared clause must fail the run"
+    code, report, out = run_suite(tmp_path, "skipper_backend:transport_only", "--surfaces",
+                                  "transport,codec", env=env)
+    st = statuses(report)
+    assert st["DP-TAGS"] == "passed" and st["WIRE-JAGGED"] == "not_applicable", st
+    assert code == 0, out[-2000:]
+
+
+def test_out_of_tree_example_backend(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, report, out = run_suite(tmp_path, "examples.bytes_transport:backend", env=env)
+    assert code == 0, out[-3000:]
+    st = statuses(report)
+    assert st["DP-ROUNDTRIP"] == "passed" and st["WIRE-ROUNDTRIP"] == "not_applicable"
+
+
+def test_unknown_backend_lists_the_known_ones(tmp_path):
+    code, report, out = run_suite(tmp_path, "no-such-backend")
+    assert code != 0 and report is None
+    assert "reference" in out and "mutant:" in out, out[-2000:]
+
+
+def test_cli_lists_backends_and_clauses():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "rlconform.conformance.cli", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    out = run("backends")
+    assert out.returncode == 0 and "reference" in out.stdout
+    assert "transport" in out.stdout
+    out = run("clauses")
+    assert out.returncode == 0
+    for c in catalogue.CLAUSES:
+        assert f"`{c.id}`" in out.stdout, f"{c.id} missing from `rlconform clauses`"
+
+
+def test_generated_clause_table_is_current():
+    from rlconform.conformance.docs import clause_table
+
+    doc = ROOT / "docs" / "clauses.md"
+    assert doc.read_text() == clause_table(), \
+        "docs/clauses.md is stale: run `rlconform clauses > docs/clauses.md`"
