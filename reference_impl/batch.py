@@ -257,3 +257,26 @@ class Batch:
 
     def media_nbytes(self) -> int:
         return sum(v.nbytes() for v in self.fields.values() if isinstance(v, PackedTensor))
+
+
+class BatchOps:
+    """The `batch_ops` surface of the reference: the operations above, as one object.
+
+    A backend with its own truncation, padding or validation provides an object with these
+    four methods; the BATCH clauses exercise it.
+    """
+
+    name = "reference"
+
+    def truncate(self, batch: Batch, max_len: int) -> Batch:
+        return batch.truncate(max_len)
+
+    def pad_to(self, batch: Batch, seq_len: int) -> Batch:
+        return batch.pad_to(seq_len)
+
+    def validate(self, batch: Batch) -> None:
+        batch.validate()
+
+    def multimodal_inputs(self, batch: Batch, stage: Stage, dtype: torch.dtype | None = None
+                          ) -> dict[str, Tensor]:
+        return batch.multimodal_inputs(stage, dtype)
