@@ -9,6 +9,8 @@ The gate fails (exit code 1) when
 - a clause was skipped: the framework marks `skipped` only where the clause applied, so a
   declared capability went unchecked;
 - the run recorded `problems` (waivers naming no clause, ...);
+- clauses were left out of the run (`deselected`, e.g. by `--surfaces` or `-k`): a partial run
+  cannot ship;
 - against a baseline, a clause or test that passed there now fails or errors. A clause that is
   waived now is excused, tests included: the waiver is the one reviewed, expiring way to accept a
   failure, and without this the first run after adding one could never go green.
@@ -126,6 +128,8 @@ def gate(
             reasons.append(f"clause {c['id']} applies but was skipped{_note(c)}")
     for problem in report.get("problems") or ():
         reasons.append(f"problem: {problem}")
+    if report.get("deselected"):
+        reasons.append(f"partial run: clauses not run: {', '.join(report['deselected'])}")
 
     if baseline is not None:
         old_status = {c["id"]: c["status"] for c in baseline["clauses"]}

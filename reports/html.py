@@ -359,6 +359,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "plots": plots,
         "kill": kill,
         "problems": report.get("problems") or [],
+        "deselected": report.get("deselected") or [],
         "provenance": provenance,
         "generated": report["provenance"].get("finished_at") or "",
         "version": report["provenance"].get("rlconform_version") or "",

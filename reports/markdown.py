@@ -122,6 +122,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.extend(fences)
             lines.append("")
 
+    if report.get("deselected"):
+        lines.append("### Not run in this report")
+        lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")
+        lines.append("")
     if report.get("problems"):
         lines.append("### Run problems")
         lines.extend(f"- {escape(p)}" for p in report["problems"])

@@ -833,3 +833,14 @@ def test_statuses_match_the_schema():
     from rlconform.reports.model import load_schema
 
     assert tuple(load_schema()["$defs"]["status"]["enum"]) == STATUSES
+
+
+def test_gate_fails_a_partial_run():
+    from rlconform.reports.gate import gate
+    from rlconform.reports.sample import example_report
+
+    report = example_report(failing=False)
+    assert gate(report).ok, gate(report).reasons
+    report["deselected"] = ["TRAIN-RATIO-ONE"]
+    result = gate(report)
+    assert not result.ok and any("TRAIN-RATIO-ONE" in r for r in result.reasons)
