@@ -81,6 +81,10 @@ class Batch:
     def select(self, indices: Sequence[int] | Tensor) -> Batch:
         idx = torch.as_tensor(list(indices) if not isinstance(indices, Tensor) else indices,
                               dtype=torch.long)
+        bad = [int(i) for i in idx if not 0 <= int(i) < self.batch_size]
+        if bad:
+            raise IndexError(f"row indices {bad} out of range for a batch of {self.batch_size} "
+                             f"rows (fields {sorted(self.fields)})")
         out: dict[str, Value] = {}
         for name, v in self.fields.items():
             out[name] = v.select(idx) if isinstance(v, PackedTensor) else v.index_select(

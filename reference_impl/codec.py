@@ -60,6 +60,9 @@ class ReferenceCodec:
 
     # -- encode -------------------------------------------------------------------------
     def encode(self, batch: Batch) -> WireBatch:
+        if batch.batch_size == 0:
+            raise ValueError(f"cannot encode an empty batch (0 rows) with fields "
+                             f"{sorted(batch.fields)}; a rank with no rows fetches nothing")
         batch.validate()
         b = batch.batch_size
         lens = batch.seq_lens.tolist()
@@ -94,23 +97,27 @@ class ReferenceCodec:
             dtype = cast or (dtypes[0] if dtypes else torch.float32)
         elif cast is not None and dtype.is_floating_point:
             dtype = cast
-        rows: list[Tensor] = []
+        flat: list[Tensor] = []
+        lengths: list[int] = []
         # walk logical rows, never physical segments: de-duplicated rows each carry their media
         for i in range(len(v)):
-            segs = v.row_segments(i)
-            tags[i][name] = {"shapes": None if segs is None else [list(s.shape) for s in segs],
+            segs = v.row_segments(i) or []
+            tags[i][name] = {"shapes": None if v.is_none(i) else [list(s.shape) for s in segs],
                              "pack_dim": v.pack_dim}
-            if segs is None or not segs:
-                rows.append(torch.empty(0, dtype=dtype))
-            else:
-                rows.append(torch.cat([s.reshape(-1) for s in segs]))
-        return jagged(rows, dtype)
+            flat.extend(s.reshape(-1) for s in segs)
+            lengths.append(sum(s.numel() for s in segs))
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
+        # one copy: every row's segments gathered (and cast) straight into the values
+        values = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, wire: WireBatch) -> Batch:
         b = len(wire.tags)
         if b == 0:
-            raise ValueError("cannot decode an empty wire batch (no tags)")
+            raise ValueError(f"cannot decode an empty wire batch: no tags for columns "
+                             f"{sorted(wire.columns)}")
         for name, col in wire.columns.items():
             rows = int(col.size(0))
             if rows != b:
@@ -138,7 +145,9 @@ class ReferenceCodec:
         got = fields["input_lengths"].tolist()
         if got != lens:
             raise ValueError(f"tags' seq_len {lens} disagree with 'input_lengths' {got}")
-        return Batch(fields, family)
+        batch = Batch(fields, family)
+        batch.validate()  # dtypes, row counts, coupled fields: a bad column is named here
+        return batch
 
     @staticmethod
     def _tag(tag: dict, key: str, i: int):

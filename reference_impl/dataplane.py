@@ -47,9 +47,31 @@ def split_rows(name: str, col: Tensor, n: int) -> tuple[Layout, list[Tensor]]:
     if layout.kind == JAGGED:
         values = col.values().detach().clone()
         offsets = col.offsets().tolist()
-        return layout, [values[offsets[i]:offsets[i + 1]] for i in range(n)]
+        lengths = col.lengths()  # set when rows do not tile `values` (gaps between rows)
+        ends = ([offsets[i + 1] for i in range(n)] if lengths is None
+                else [offsets[i] + int(lengths[i]) for i in range(n)])
+        return layout, [values[offsets[i]:ends[i]] for i in range(n)]
     block = col.detach().clone()
     return layout, list(block.unbind(0))
+
+
+def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
+    """One clone of the stored block when `rows` are back-to-back views of it (keys fetched in
+    the order they were put): a single copy instead of one per row."""
+    if len(rows) < 2 or any(not r.is_contiguous() for r in rows):
+        return None
+    base = rows[0].untyped_storage().data_ptr()
+    if any(r.untyped_storage().data_ptr() != base for r in rows):
+        return None
+    step = rows[0].element_size()
+    for a, b in zip(rows, rows[1:]):
+        if a.data_ptr() + a.numel() * step != b.data_ptr():
+            return None
+    first, last = rows[0], rows[-1]
+    n = (last.data_ptr() - first.data_ptr()) // step + last.numel()
+    flat = torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(),
+                                                  first.storage_offset(), (n,))
+    return flat.view(-1, *first.shape[1:]).clone()
 
 
 def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
@@ -58,8 +80,10 @@ def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
         lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        values = (torch.cat(rows) if rows
-                  else torch.empty((0, *layout.trailing), dtype=layout.dtype))
+        values = _contiguous_span(rows)
+        if values is None:
+            values = (torch.cat(rows) if rows
+                      else torch.empty((0, *layout.trailing), dtype=layout.dtype))
         return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
     if not rows:
         return torch.empty((0, *layout.trailing), dtype=layout.dtype)

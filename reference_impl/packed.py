@@ -117,7 +117,7 @@ class PackedTensor:
             indices = indices.tolist()
         n = len(self.rows)
         for i in indices:
-            if not -n <= i < n:
+            if not 0 <= i < n:
                 raise IndexError(f"row index {i} out of range for {n} rows")
         return self._compact([self.rows[i] for i in indices])
 

@@ -1,0 +1,1096 @@
+"""Unit tests of the reference core: PackedTensor, the field registry, Batch, the codec,
+BatchMeta and the in-memory data plane.
+
+The codec properties run over every registered family with the hypothesis strategies of
+fixtures/strategies.py, and again on fixed plans that are guaranteed to reach each shape the
+field defects of BACKGROUND.md section 3 hid in (ragged counts, `None` rows, every row the same
+shape, several and de-duplicated segments, differing trailing dims, every allowed dtype, one row
+and many rows).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlconform.fixtures.strategies import MEDIA_DTYPES, batches
+from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
+from rlconform.reference_impl import registry
+from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.codec import SEQ_LEN_TAG, ReferenceCodec, WireBatch, jagged
+from rlconform.reference_impl.dataplane import InMemoryDataPlane
+from rlconform.reference_impl.meta import BatchMeta
+from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.registry import (
+    FAMILIES,
+    DtypePolicy,
+    FieldSpec,
+    Kind,
+    Stage,
+    multimodal_fields,
+    register_field,
+    spec,
+    stage_fields,
+)
+
+PROPS = settings(max_examples=25, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+ALL_FAMILIES = [*media_families(), "text"]
+CODEC = ReferenceCodec()
+
+
+def _f32(*shape, start: float = 0.0) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float32) + start + 1).reshape(shape)
+
+
+def _packed_fields(batch: Batch) -> dict[str, PackedTensor]:
+    return {n: v for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
+
+
+def _media_field(batch: Batch) -> str | None:
+    """The family's main media field (images, else audio), or None for text."""
+    for name in ("pixel_values", "input_features"):
+        if name in batch.fields:
+            return name
+    return None
+
+
+# =====================================================================================
+# PackedTensor
+# =====================================================================================
+class TestPackedTensor:
+    def test_from_rows_bare_tensor_list_and_none(self):
+        a, b, c = _f32(2, 3), _f32(1, 3, start=10), _f32(4, 3, start=20)
+        pt = PackedTensor.from_rows([a, None, [b, c]])
+        assert len(pt) == 3
+        assert len(pt.segments) == 3
+        assert pt.rows == [(0,), None, (1, 2)]
+        assert pt.segment_shapes(0) == [[2, 3]]
+        assert pt.segment_shapes(1) is None
+        assert pt.segment_shapes(2) == [[1, 3], [4, 3]]
+        assert pt.dtype == torch.float32
+        assert not pt.is_deduplicated()
+
+    def test_none_rows(self):
+        pt = PackedTensor.from_rows([None, _f32(2, 3), None])
+        assert [pt.is_none(i) for i in range(3)] == [True, False, True]
+        assert pt.row(0) is None and pt.row_segments(2) is None
+        assert torch.equal(pt.row(1), _f32(2, 3))
+        media_free = PackedTensor.from_rows([None, None])
+        assert media_free.as_tensor() is None
+        assert media_free.dtype is None and media_free.nbytes() == 0
+
+    def test_several_segments_concatenate_in_order(self):
+        a, b = _f32(2, 3), _f32(3, 3, start=100)
+        pt = PackedTensor.from_rows([[a, b]])
+        assert torch.equal(pt.row(0), torch.cat([a, b]))
+        assert pt.row(0).shape == (5, 3)
+
+    def test_empty_segment_list_is_not_none(self):
+        pt = PackedTensor.from_rows([[]])
+        assert not pt.is_none(0)
+        with pytest.raises(ValueError, match="row 0 has an empty segment list"):
+            pt.row(0)
+
+    def test_dedup_select_keeps_sharing_and_nbytes_counts_logical_rows(self):
+        a, b = _f32(4, 3), _f32(2, 3, start=50)
+        pt = PackedTensor([a, b], [(0,), (0,), None, (1,)])
+        assert pt.is_deduplicated()
+        assert pt.nbytes() == 2 * a.numel() * a.element_size() + b.numel() * b.element_size()
+        sel = pt.select([1, 3, 0])
+        assert len(sel.segments) == 2  # the shared segment stays one physical segment
+        assert sel.rows[0] == sel.rows[2]
+        assert sel.segments[sel.rows[0][0]] is a  # shared, not copied
+        assert sel.is_deduplicated()
+        assert sel.nbytes() == pt.nbytes()
+        # a selection that drops the partner is no longer de-duplicated
+        assert not pt.select([0, 3]).is_deduplicated()
+
+    def test_select_drops_unused_segments(self):
+        pt = PackedTensor.from_rows([_f32(1, 2), _f32(2, 2), _f32(3, 2)])
+        sel = pt.select([2])
+        assert len(sel.segments) == 1 and sel.rows == [(0,)]
+        assert torch.equal(sel.row(0), _f32(3, 2))
+
+    def test_as_tensor_pack_dim0_concatenates_present_rows(self):
+        a, b, c = _f32(2, 3), _f32(1, 3, start=10), _f32(4, 3, start=20)
+        pt = PackedTensor.from_rows([[a, b], None, c], pack_dim=0)
+        out = pt.as_tensor()
+        assert out.shape == (7, 3)
+        assert torch.equal(out, torch.cat([a, b, c]))
+
+    def test_as_tensor_pack_dim1_pads_rows_and_stacks(self):
+        r0 = _f32(2, 3, 2, 2)
+        r2 = _f32(3, 3, 2, 2, start=1000)
+        pt = PackedTensor.from_rows([r0, None, r2], pack_dim=1)
+        out = pt.as_tensor()
+        assert out.shape == (3, 3, 3, 2, 2)
+        assert torch.equal(out[0, :2], r0)
+        assert torch.count_nonzero(out[0, 2:]) == 0  # zero padding up to the batch max
+        assert torch.count_nonzero(out[1]) == 0  # a None row is all zeros
+        assert torch.equal(out[2], r2)
+
+    def test_as_tensor_pack_dim1_several_segments_in_a_row(self):
+        pt = PackedTensor.from_rows([[_f32(1, 2), _f32(2, 2, start=5)], _f32(1, 2, start=9)],
+                                    pack_dim=1)
+        out = pt.as_tensor()
+        assert out.shape == (2, 3, 2)
+        assert torch.equal(out[0], torch.cat([_f32(1, 2), _f32(2, 2, start=5)]))
+        assert torch.equal(out[1, :1], _f32(1, 2, start=9))
+        assert torch.count_nonzero(out[1, 1:]) == 0
+
+    def test_pad_to_max_shape_differing_trailing_dims(self):
+        a = _f32(1, 3, 4, 5)
+        b = _f32(2, 3, 6, 2, start=500)
+        pt = PackedTensor.from_rows([a, b])
+        padded = pt.pad_to_max_shape()
+        assert [list(s.shape) for s in padded.segments] == [[1, 3, 6, 5], [2, 3, 6, 5]]
+        assert torch.equal(padded.segments[0][:, :, :4, :5], a)
+        assert torch.count_nonzero(padded.segments[0][:, :, 4:, :]) == 0
+        assert torch.equal(padded.segments[1][:, :, :6, :2], b)
+        assert torch.count_nonzero(padded.segments[1][:, :, :, 2:]) == 0
+        assert padded.rows == pt.rows
+        # the original keeps its shapes: padding happens only for the model input
+        assert pt.segment_shapes(0) == [[1, 3, 4, 5]]
+        out = pt.as_tensor()
+        assert out.shape == (3, 3, 6, 5)
+        assert torch.equal(out, torch.cat(padded.segments))
+
+    def test_pad_to_max_shape_same_shapes_is_identity(self):
+        a = _f32(2, 3)
+        pt = PackedTensor.from_rows([a, _f32(1, 3)])
+        assert pt.pad_to_max_shape().segments[0] is a
+
+    def test_row_with_differing_trailing_dims_raises(self):
+        pt = PackedTensor.from_rows([[_f32(1, 3), _f32(1, 4)]])
+        with pytest.raises(RuntimeError):
+            pt.row(0)
+
+    def test_slice_select_concat(self):
+        segs = [_f32(i + 1, 2, start=10 * i) for i in range(4)]
+        pt = PackedTensor.from_rows([segs[0], None, segs[1], [segs[2], segs[3]]])
+        sl = pt.slice(1, 3)
+        assert len(sl) == 2 and sl.is_none(0) and torch.equal(sl.row(1), segs[1])
+        assert len(pt.slice(3, 100)) == 1
+        sel = pt.select(torch.tensor([3, 0]))
+        assert sel.segment_shapes(0) == [[3, 2], [4, 2]]
+        assert torch.equal(sel.row(1), segs[0])
+        with pytest.raises(IndexError, match="-1"):
+            sel.select([-1])
+        with pytest.raises(IndexError, match="row index 4 out of range for 4 rows"):
+            pt.select([4])
+        cat = PackedTensor.concat([pt.slice(0, 2), pt.slice(2, 4)])
+        assert cat == pt
+        assert cat.rows == [(0,), None, (1,), (2, 3)]
+        with pytest.raises(ValueError, match="pack_dims"):
+            PackedTensor.concat([pt, PackedTensor.from_rows([segs[0]], pack_dim=1)])
+        with pytest.raises(ValueError, match="at least one"):
+            PackedTensor.concat([])
+
+    def test_concat_keeps_sharing_within_parts(self):
+        a = _f32(2, 2)
+        pt = PackedTensor([a], [(0,), (0,)])
+        cat = PackedTensor.concat([pt, pt])
+        assert len(cat.segments) == 2 and cat.rows == [(0,), (0,), (1,), (1,)]
+        assert cat.nbytes() == 4 * a.numel() * a.element_size()
+
+    def test_to_dtype_casts_floating_only(self):
+        pt = PackedTensor.from_rows([_f32(2, 3), None])
+        cast = pt.to_dtype(torch.bfloat16)
+        assert cast.dtype == torch.bfloat16
+        assert cast.rows == pt.rows
+        assert torch.equal(cast.row(0), _f32(2, 3).to(torch.bfloat16))
+        grid = torch.tensor([[1, 2, 4]])
+        ints = PackedTensor.from_rows([grid, None])
+        kept = ints.to_dtype(torch.bfloat16)
+        assert kept.dtype == torch.int64
+        assert kept.segments[0] is grid
+        assert kept == ints
+
+    def test_clone_does_not_alias(self):
+        pt = PackedTensor.from_rows([_f32(2, 2)])
+        cl = pt.clone()
+        cl.segments[0].zero_()
+        assert torch.equal(pt.row(0), _f32(2, 2))
+
+    def test_equality_is_logical_not_physical(self):
+        a = _f32(2, 3)
+        shared = PackedTensor([a], [(0,), (0,)])
+        copied = PackedTensor.from_rows([a.clone(), a.clone()])
+        assert shared == copied
+        assert shared.first_difference(copied) is None
+        assert shared != PackedTensor.from_rows([a, a + 1])
+
+    @pytest.mark.parametrize(
+        "other, message",
+        [
+            (lambda: PackedTensor.from_rows([_f32(2, 3), None]), r"^2 rows, expected 1$"),
+            (lambda: PackedTensor.from_rows([_f32(2, 3)], pack_dim=1),
+             r"^pack_dim 1, expected 0$"),
+            (lambda: PackedTensor.from_rows([_f32(2, 3).to(torch.bfloat16)]),
+             r"^dtype torch.bfloat16, expected torch.float32$"),
+            (lambda: PackedTensor.from_rows([None]), r"^row 0 is None, expected the opposite$"),
+            (lambda: PackedTensor.from_rows([_f32(3, 3)]),
+             r"^row 0 segment shapes \[\[3, 3\]\], expected \[\[2, 3\]\]$"),
+            (lambda: PackedTensor.from_rows([[_f32(1, 3), _f32(1, 3)]]),
+             r"^row 0 segment shapes \[\[1, 3\], \[1, 3\]\], expected \[\[2, 3\]\]$"),
+            (lambda: PackedTensor.from_rows([_f32(2, 3) * 2]), r"^row 0 segment 0 values differ$"),
+        ],
+        ids=["rows", "pack_dim", "dtype", "none", "shape", "split", "values"],
+    )
+    def test_first_difference_messages(self, other, message):
+        ref = PackedTensor.from_rows([_f32(2, 3)])
+        why = ref.first_difference(other())
+        assert why is not None
+        assert re.search(message, why), why
+        assert ref != other()
+
+    def test_constructor_errors(self):
+        with pytest.raises(TypeError, match="mix dtypes"):
+            PackedTensor.from_rows([_f32(1, 2), torch.ones(1, 2, dtype=torch.int64)])
+        with pytest.raises(ValueError, match="rank"):
+            PackedTensor.from_rows([_f32(1, 2), _f32(1, 2, 2)])
+        with pytest.raises(ValueError, match="rank"):
+            PackedTensor([torch.tensor(1.0)], [(0,)])
+        with pytest.raises(IndexError, match="row 1 names segment indices"):
+            PackedTensor([_f32(1, 2)], [(0,), (1,)])
+        with pytest.raises(ValueError, match="pack_dim must be 0 or 1"):
+            PackedTensor([], [], pack_dim=2)
+
+
+# =====================================================================================
+# registry
+# =====================================================================================
+class TestRegistry:
+    @pytest.mark.parametrize("family", sorted(FAMILIES))
+    def test_every_family_field_is_registered(self, family):
+        fam = FAMILIES[family]
+        for name in fam.fields:
+            assert name in registry.FIELDS, f"{family}: {name} not registered"
+            assert spec(name).name == name
+        assert set(fam.pack_dims) <= set(fam.fields)
+        assert all(d in (0, 1) for d in fam.pack_dims.values())
+        assert set(fam.keep_dtype) <= set(fam.fields)
+        assert set(fam.segment_shapes) <= set(fam.packed_fields())
+        # every packed field says what one segment looks like
+        assert set(fam.packed_fields()) == set(fam.segment_shapes)
+
+    def test_spec_unknown_field_names_it(self):
+        with pytest.raises(KeyError, match="'no_such_field' is not registered"):
+            spec("no_such_field")
+
+    def test_coupled_fields_exist_are_packed_and_symmetric(self):
+        couplings = 0
+        for name, fs in registry.FIELDS.items():
+            for other in fs.coupled:
+                couplings += 1
+                assert other in registry.FIELDS, f"{name} couples unregistered {other}"
+                assert spec(other).kind is Kind.PACKED and fs.kind is Kind.PACKED
+                assert name in spec(other).coupled, f"{name} -> {other} is one-way"
+        assert couplings >= 10
+
+    def test_policy_media_allow_only_floating_dtypes(self):
+        policy = [fs for fs in registry.FIELDS.values() if fs.dtype_policy is DtypePolicy.POLICY]
+        assert {fs.name for fs in policy} >= {"pixel_values", "pixel_values_videos"}
+        for fs in policy:
+            assert fs.dtypes and all(d.is_floating_point for d in fs.dtypes)
+            assert torch.bfloat16 in fs.dtypes
+
+    @pytest.mark.parametrize("stage", list(Stage))
+    def test_every_stage_fetches_every_media_field(self, stage):
+        # the train fetch that used a static text-only field list (BACKGROUND.md section 3)
+        packed = {n for n, f in registry.FIELDS.items() if f.kind is Kind.PACKED}
+        assert packed <= set(stage_fields(stage))
+        assert packed <= set(multimodal_fields(stage))
+        assert {"mm_token_type_ids", "token_type_ids"} <= set(multimodal_fields(stage))
+        assert "input_ids" not in multimodal_fields(stage)
+
+    def test_stage_fields_follow_stages(self):
+        assert "prev_logprobs" in stage_fields(Stage.TRAIN)
+        assert "prev_logprobs" not in stage_fields(Stage.LOGPROB)
+        assert "rewards" not in stage_fields(Stage.TRAIN)
+
+    def test_register_field(self, monkeypatch):
+        monkeypatch.setattr(registry, "FIELDS", dict(registry.FIELDS))
+        new = FieldSpec("backend_col", Kind.PER_SAMPLE, dtypes=(torch.float32,))
+        register_field(new)
+        assert spec("backend_col") is new
+        register_field(FieldSpec("backend_col", Kind.PER_SAMPLE, dtypes=(torch.float32,)))
+        with pytest.raises(ValueError, match="'backend_col' is already registered"):
+            register_field(FieldSpec("backend_col", Kind.PER_TOKEN))
+        with pytest.raises(ValueError, match="'pixel_values' is already registered"):
+            register_field(FieldSpec("pixel_values", Kind.PER_SAMPLE))
+        assert spec("pixel_values").kind is Kind.PACKED
+
+
+# =====================================================================================
+# Batch
+# =====================================================================================
+def _qwen() -> Batch:
+    return build_batch("qwen2_vl", default_plan("qwen2_vl"), seed=3)
+
+
+class TestBatch:
+    def test_requires_input_lengths_and_registered_fields(self):
+        with pytest.raises(KeyError, match="'input_lengths' is required"):
+            Batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+        with pytest.raises(KeyError, match="'bogus' is not registered"):
+            Batch({"input_lengths": torch.tensor([1]), "bogus": torch.zeros(1)})
+
+    def test_canonical_batches_validate(self):
+        for fam in ALL_FAMILIES:
+            build_batch(fam, default_plan(fam)).validate()
+
+    @pytest.mark.parametrize(
+        "field, value, error, message",
+        [
+            ("input_ids", lambda b: b["input_ids"].float(), TypeError,
+             r"field 'input_ids' has dtype torch.float32"),
+            ("pixel_values",
+             lambda b: PackedTensor([s.long() for s in b["pixel_values"].segments],
+                                    b["pixel_values"].rows), TypeError,
+             r"field 'pixel_values' has dtype torch.int64"),
+            ("attention_mask", lambda b: b["attention_mask"][:, :-1], ValueError,
+             r"per-token field 'attention_mask' has sequence dim"),
+            ("mm_token_type_ids", lambda b: b["mm_token_type_ids"][:, 0], ValueError,
+             r"per-token field 'mm_token_type_ids' must be \[B, S\]"),
+            ("advantages", lambda b: b["advantages"][:3], ValueError,
+             r"field 'advantages' has 3 rows, expected 4"),
+            ("image_grid_thw", lambda b: b["image_grid_thw"].slice(0, 3), ValueError,
+             r"field 'image_grid_thw' has 3 rows, expected 4"),
+            ("token_mask", lambda b: b["token_mask"][:3], ValueError,
+             r"field 'token_mask' has 3 rows, expected 4"),
+        ],
+        ids=["dtype", "packed-dtype", "misaligned", "per-token-1d", "rows", "packed-rows",
+             "per-token-rows"],
+    )
+    def test_validate_errors_name_the_field(self, field, value, error, message):
+        b = _qwen()
+        bad = b.replace(**{field: value(b)})
+        with pytest.raises(error, match=message):
+            bad.validate()
+        with pytest.raises(error, match=message):
+            CODEC.encode(bad)
+
+    def test_validate_input_lengths_beyond_sequence(self):
+        b = _qwen()
+        bad = b.replace(input_lengths=b.seq_lens + 100)
+        with pytest.raises(ValueError, match="field 'input_lengths' has max"):
+            bad.validate()
+
+    def test_validate_coupled_none_ness_mismatch(self):
+        b = _qwen()
+        assert b["pixel_values"].is_none(2)
+        grid = b["image_grid_thw"]
+        rows = list(grid.rows)
+        rows[2] = rows[1]  # row 2 has a grid but no pixels
+        bad = b.replace(image_grid_thw=PackedTensor(grid.segments, rows))
+        with pytest.raises(ValueError, match=r"row 2: field 'pixel_values' is None but coupled "
+                                             r"field 'image_grid_thw' is present"):
+            bad.validate()
+
+    def test_truncate_narrows_only_per_token(self):
+        b = _qwen()
+        t = b.truncate(3)
+        t.validate()
+        for name in b.names(Kind.PER_TOKEN):
+            assert torch.equal(t[name], b[name][:, :3])
+        assert t.seq_lens.tolist() == b.seq_lens.clamp(max=3).tolist()
+        for name in b.names(Kind.PACKED):
+            assert t[name] is b[name]  # media are never narrowed
+        assert torch.equal(t["advantages"], b["advantages"])
+        assert b.truncate(1000) == b
+        with pytest.raises(ValueError, match="max_len must be >= 0"):
+            b.truncate(-1)
+
+    def test_pad_to_pads_per_token_only(self):
+        b = _qwen()
+        s = b.seq_len()
+        p = b.pad_to(s + 5)
+        p.validate()
+        for name in b.names(Kind.PER_TOKEN):
+            assert p[name].shape == (4, s + 5)
+            assert torch.equal(p[name][:, :s], b[name])
+            assert torch.count_nonzero(p[name][:, s:]) == 0
+        for name in b.names(Kind.PACKED):
+            assert p[name] is b[name]
+        assert p.truncate(s) == b
+        assert b.pad_to(s - 1) == b  # never narrows
+
+    def test_select_and_slice(self):
+        b = _qwen()
+        s = b.select([3, 0])
+        assert s.batch_size == 2
+        assert torch.equal(s["input_ids"], b["input_ids"][[3, 0]])
+        assert s["pixel_values"] == b["pixel_values"].select([3, 0])
+        assert s["pixel_values"].is_deduplicated()  # row 3 shares row 0's media
+        assert b.slice(1, 3) == b.select([1, 2])
+
+    def test_concat_of_slices_restores_and_pads(self):
+        b = _qwen()
+        assert Batch.concat([b.slice(0, 1), b.slice(1, 4)]) == b
+        short = build_batch("qwen2_vl", [RowPlan(2, images=[1])], seed=1)
+        cat = Batch.concat([b, short])
+        cat.validate()
+        assert cat.seq_len() == b.seq_len()
+        assert cat.batch_size == 5
+        assert cat.select([4])["input_ids"].shape == (1, b.seq_len())
+        with pytest.raises(KeyError, match="cannot concat batches with fields"):
+            Batch.concat([b, b.without("advantages")])
+        with pytest.raises(ValueError, match="at least one"):
+            Batch.concat([])
+
+    @pytest.mark.parametrize("mb", [1, 3, 4, 10])
+    def test_shard(self, mb):
+        b = _qwen()
+        shards = b.shard(mb)
+        sizes = [s.batch_size for s in shards]
+        assert sum(sizes) == 4 and all(n == mb for n in sizes[:-1]) and 0 < sizes[-1] <= mb
+        assert Batch.concat(shards) == b
+
+    def test_shard_rejects_non_positive(self):
+        with pytest.raises(ValueError, match="micro_batch_size must be positive"):
+            _qwen().shard(0)
+
+    @pytest.mark.parametrize("stage", list(Stage))
+    def test_multimodal_inputs_per_stage(self, stage):
+        b = _qwen()
+        out = b.multimodal_inputs(stage)
+        expected = {n for n in b.fields if spec(n).multimodal and stage in spec(n).stages}
+        expected -= {n for n, v in _packed_fields(b).items() if v.as_tensor() is None}
+        assert set(out) == expected
+        assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(out)
+        assert "input_ids" not in out
+        assert torch.equal(out["pixel_values"], b["pixel_values"].as_tensor())
+        n_patches = sum(s.shape[0] for i in range(len(b)) for s in
+                        (b["pixel_values"].row_segments(i) or []))
+        assert out["pixel_values"].shape == (n_patches, 1176)
+
+    def test_multimodal_inputs_stage_filter(self, monkeypatch):
+        monkeypatch.setitem(registry.FIELDS, "train_only_map", FieldSpec(
+            "train_only_map", Kind.PER_TOKEN, multimodal=True, dtypes=(torch.int64,),
+            stages=frozenset({Stage.TRAIN})))
+        b = _qwen()
+        b = b.replace(train_only_map=torch.zeros_like(b["input_ids"]))
+        assert "train_only_map" in b.multimodal_inputs(Stage.TRAIN)
+        assert "train_only_map" not in b.multimodal_inputs(Stage.LOGPROB)
+        assert "train_only_map" not in b.multimodal_inputs(Stage.REFERENCE_LOGPROB)
+
+    def test_multimodal_inputs_dtype_policy(self):
+        b = _qwen()
+        out = b.multimodal_inputs(Stage.LOGPROB, dtype=torch.bfloat16)
+        assert out["pixel_values"].dtype == torch.bfloat16
+        assert out["pixel_values_videos"].dtype == torch.bfloat16
+        assert out["image_grid_thw"].dtype == torch.int64
+        assert out["mm_token_type_ids"].dtype == torch.int64
+        nemo = build_batch("nemotron_omni", default_plan("nemotron_omni"))
+        kept = nemo.multimodal_inputs(Stage.TRAIN, dtype=torch.bfloat16)
+        assert kept["pixel_values"].dtype == torch.float32  # fp32 on purpose
+
+    def test_multimodal_inputs_media_free_left_out(self):
+        b = build_batch("qwen2_vl", [RowPlan(3), RowPlan(5)])
+        out = b.multimodal_inputs(Stage.TRAIN)
+        assert "pixel_values" not in out and "image_grid_thw" not in out
+        assert "mm_token_type_ids" in out
+
+    def test_multimodal_inputs_pack_dim1(self):
+        b = build_batch("idefics3", [RowPlan(3, images=[2]), RowPlan(4), RowPlan(5, images=[1])])
+        out = b.multimodal_inputs(Stage.TRAIN)
+        assert out["pixel_values"].shape == (3, 2, 3, 4, 4)
+        assert out["pixel_attention_mask"].shape == (3, 2, 4, 4)
+        assert torch.count_nonzero(out["pixel_attention_mask"][1]) == 0
+        assert torch.count_nonzero(out["pixel_attention_mask"][2, 1:]) == 0
+
+
+# =====================================================================================
+# codec
+# =====================================================================================
+def _check_round_trip(b: Batch, codec: ReferenceCodec = CODEC) -> WireBatch:
+    wire = codec.encode(b)
+    assert len(wire.tags) == b.batch_size
+    for i, tag in enumerate(wire.tags):
+        assert tag[SEQ_LEN_TAG] == int(b.seq_lens[i])
+    for name, v in _packed_fields(b).items():
+        col = wire.columns[name]
+        assert col.is_nested and col.size(0) == len(v)
+        for i, row in enumerate(col.unbind()):
+            shapes = v.segment_shapes(i)
+            assert wire.tags[i][name]["shapes"] == shapes
+            # logical rows, not physical segments: a de-duplicated row carries its own media
+            want = 0 if shapes is None else sum(int(torch.Size(s).numel()) for s in shapes)
+            assert row.numel() == want
+    for name in b.names(Kind.PER_TOKEN):
+        rows = wire.columns[name].unbind()
+        assert [r.shape[0] for r in rows] == b.seq_lens.tolist()
+    back = codec.decode(wire)
+    why = b.first_difference(back)
+    assert why is None, why
+    assert set(back.fields) == set(b.fields) and back.family == b.family
+    for name, v in _packed_fields(back).items():
+        for i in range(len(v)):
+            if b[name].is_none(i):
+                assert v.row_segments(i) is None  # None, never a (0, ...) tensor
+        if all(b[name].is_none(i) for i in range(len(b))):
+            assert v.as_tensor() is None
+    return wire
+
+
+def _through_transport(wire: WireBatch) -> WireBatch:
+    dp = InMemoryDataPlane()
+    keys = [f"s{i}" for i in range(len(wire))]
+    dp.put("rollout", keys, wire.columns, wire.tags)
+    cols, tags = dp.get("rollout", keys, list(wire.columns))
+    return WireBatch(cols, tags)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@PROPS
+@given(data=st.data())
+def test_codec_round_trip_property(family, data):
+    b = data.draw(batches(family))
+    wire = _check_round_trip(b)
+    assert CODEC.decode(_through_transport(wire)) == b
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@PROPS
+@given(data=st.data())
+def test_codec_cast_property(family, data):
+    """pixel_dtype casts POLICY media once at encode; geometry and keep_dtype media stay."""
+    b = data.draw(batches(family, dtypes=(torch.float32,)))
+    back = ReferenceCodec(torch.bfloat16).decode(ReferenceCodec(torch.bfloat16).encode(b))
+    fam = FAMILIES[family]
+    for name, v in b.fields.items():
+        got = back[name]
+        fs = spec(name)
+        cast = (fs.kind is Kind.PACKED and fs.dtype_policy is DtypePolicy.POLICY
+                and name not in fam.keep_dtype and v.dtype is not None)
+        want = v.to_dtype(torch.bfloat16) if cast else v
+        if isinstance(v, PackedTensor):
+            assert want.first_difference(got) is None, (name, want.first_difference(got))
+        else:
+            assert got.dtype == v.dtype and torch.equal(got, v), name
+
+
+def _ragged(n: int) -> list[RowPlan]:
+    return [RowPlan(1 + (3 * i) % 9, images=[1 + i % 4] * (i % 3), videos=[1 + i % 2] * (i % 2))
+            for i in range(n)]
+
+
+# family -> plan; _assert_plan_reached checks each case reaches its shape, so none is vacuous
+PLANS = {
+    "default_mixed": default_plan,
+    "ragged_many_rows": lambda fam: _ragged(24),
+    "one_row": lambda fam: [RowPlan(5, images=[2, 3], videos=[1])],
+    "uniform_one_image": lambda fam: [RowPlan(4 + i, images=[2]) for i in range(5)],
+    "uniform_two_images": lambda fam: [RowPlan(3, images=[1, 1]) for _ in range(3)],
+    "media_free": lambda fam: [RowPlan(3), RowPlan(7), RowPlan(1)],
+    "all_share_row0": lambda fam: [RowPlan(6, images=[1, 3], videos=[2])]
+    + [RowPlan(2 + i, share_media_of=0) for i in range(3)],
+    "trailing_dims_differ": lambda fam: [RowPlan(4, images=[1]), RowPlan(2, images=[4]),
+                                         RowPlan(3, images=[2, 3]), RowPlan(5)],
+}
+
+
+def _assert_plan_reached(case: str, b: Batch) -> None:
+    name = _media_field(b)
+    if name is None:
+        return
+    v = b[name]
+    present = [i for i in range(len(v)) if not v.is_none(i)]
+    shapes = [tuple(map(tuple, v.segment_shapes(i))) for i in present]
+    if case == "media_free":
+        assert not present and v.as_tensor() is None
+    elif case.startswith("uniform"):
+        assert len(present) == len(v) > 1 and len(set(shapes)) == 1
+    elif case == "all_share_row0":
+        assert v.is_deduplicated() and len(set(v.rows)) == 1
+    elif case == "default_mixed":
+        assert v.is_deduplicated() and len(present) < len(v) and len(set(shapes)) > 1
+    elif case == "ragged_many_rows":
+        assert len(v) == 24 and len(present) < len(v) and len(set(shapes)) > 1
+    elif case == "one_row":
+        assert len(v) == 1 and len(v.segments) >= 1
+    elif case == "trailing_dims_differ":
+        trailing = {tuple(s.shape[1:]) for s in v.segments}
+        if b.family in ("nemotron_omni", "audio"):
+            assert len(trailing) > 1
+        assert len(present) == 3
+
+
+@pytest.mark.parametrize("case", sorted(PLANS))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_codec_round_trip_plans(family, case):
+    for dtype in MEDIA_DTYPES:
+        b = build_batch(family, PLANS[case](family), seed=7, media_dtype=dtype)
+        _assert_plan_reached(case, b)
+        wire = _check_round_trip(b)
+        assert CODEC.decode(_through_transport(wire)) == b
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_codec_every_allowed_dtype(family):
+    base = build_batch(family, default_plan(family), seed=11)
+    swept = 0
+    for name, v in base.fields.items():
+        for dtype in spec(name).dtypes:
+            if isinstance(v, PackedTensor):
+                nv = PackedTensor([s.to(dtype) for s in v.segments], v.rows, v.pack_dim)
+            else:
+                nv = v.to(dtype)
+            b = base.replace(**{name: nv})
+            back = CODEC.decode(CODEC.encode(b))
+            assert back[name].dtype == dtype, (name, dtype)
+            assert b.first_difference(back) is None, (name, dtype, b.first_difference(back))
+            swept += 1
+    assert swept >= 10
+
+
+def test_codec_canonicalises_extra_padding():
+    b = build_batch("qwen2_vl", default_plan("qwen2_vl"), extra_seq=3)
+    back = CODEC.decode(CODEC.encode(b))
+    assert back.seq_len() == int(b.seq_lens.max())
+    assert back == b.truncate(int(b.seq_lens.max()))
+
+
+# -- codec: bad input ------------------------------------------------------------------
+class TestCodecBadInput:
+    def test_encode_wrong_dtype(self):
+        b = _qwen()
+        with pytest.raises(TypeError, match="field 'pixel_values' has dtype torch.int64"):
+            CODEC.encode(b.replace(pixel_values=PackedTensor(
+                [s.long() for s in b["pixel_values"].segments], b["pixel_values"].rows)))
+        with pytest.raises(TypeError, match="field 'generation_logprobs' has dtype"):
+            CODEC.encode(b.replace(generation_logprobs=b["generation_logprobs"].double()))
+
+    def test_encode_packed_field_given_dense(self):
+        b = _qwen()
+        bad = b.replace(image_grid_thw=torch.zeros(4, 3, dtype=torch.long))
+        with pytest.raises(TypeError, match="packed field 'image_grid_thw' must be a "
+                                            "PackedTensor"):
+            CODEC.encode(bad)
+
+    def test_encode_unknown_field(self):
+        b = _qwen()
+        b.fields["not_a_field"] = torch.zeros(4)
+        with pytest.raises(KeyError, match="'not_a_field' is not registered"):
+            CODEC.encode(b)
+
+    def test_decode_unknown_field(self):
+        wire = CODEC.encode(_qwen())
+        wire.columns["not_a_field"] = torch.zeros(4)
+        with pytest.raises(KeyError, match="'not_a_field' is not registered"):
+            CODEC.decode(wire)
+
+    def test_decode_misaligned_tags(self):
+        wire = CODEC.encode(_qwen())
+        cols = {"pixel_values": wire.columns["pixel_values"]}
+        with pytest.raises(ValueError, match="wire column 'pixel_values' has 4 rows but there "
+                                             "are 3 tags"):
+            CODEC.decode(WireBatch(cols, wire.tags[:3]))
+        with pytest.raises(ValueError, match="wire column 'pixel_values' has 4 rows but there "
+                                             "are 5 tags"):
+            CODEC.decode(WireBatch(cols, [*wire.tags, dict(wire.tags[0])]))
+
+    def test_decode_tag_lacks_field(self):
+        wire = CODEC.encode(_qwen())
+        del wire.tags[2]["image_grid_thw"]
+        with pytest.raises(KeyError, match="row 2's tag lacks 'image_grid_thw'"):
+            CODEC.decode(wire)
+
+    def test_decode_tags_shuffled_against_rows(self):
+        wire = CODEC.encode(_qwen())
+        tags = [wire.tags[1], wire.tags[0], *wire.tags[2:]]
+        with pytest.raises(ValueError, match=r"(field|column) '(pixel_values|input_ids)'"):
+            CODEC.decode(WireBatch(wire.columns, tags))
+
+    def test_decode_tag_shapes_disagree_with_row(self):
+        wire = CODEC.encode(_qwen())
+        wire.tags[0]["pixel_values"]["shapes"][0][0] += 1
+        with pytest.raises(ValueError, match="field 'pixel_values' row 0: tag shapes"):
+            CODEC.decode(wire)
+
+    def test_decode_none_tag_with_values(self):
+        wire = CODEC.encode(_qwen())
+        wire.tags[0]["pixel_values"]["shapes"] = None
+        with pytest.raises(ValueError, match="field 'pixel_values' row 0: tag says None"):
+            CODEC.decode(wire)
+
+    def test_decode_per_token_length_disagrees_with_seq_len(self):
+        wire = CODEC.encode(_qwen())
+        wire.tags[1][SEQ_LEN_TAG] += 1
+        with pytest.raises(ValueError, match="per-token column '\\w+' row 1 has"):
+            CODEC.decode(wire)
+
+    @pytest.mark.parametrize(
+        "name, dense, message",
+        [
+            ("pixel_values", True, "packed column 'pixel_values' arrived dense"),
+            ("input_ids", True, "per-token column 'input_ids' arrived dense"),
+            ("advantages", False, "per-sample column 'advantages' arrived jagged"),
+        ],
+    )
+    def test_decode_wrong_layout(self, name, dense, message):
+        b = _qwen()
+        wire = CODEC.encode(b)
+        if dense:
+            col = torch.zeros(4, 3, dtype=wire.columns[name].dtype)
+        else:
+            col = jagged([torch.zeros(2) for _ in range(4)], torch.float32)
+        wire.columns[name] = col
+        with pytest.raises(TypeError, match=message):
+            CODEC.decode(wire)
+
+    def test_ragged_dense_column_to_transport(self):
+        """A ragged column must be jagged: a list or a strided nested tensor is refused."""
+        wire = CODEC.encode(_qwen())
+        rows = list(wire.columns["pixel_values"].unbind())
+        dp = InMemoryDataPlane()
+        keys = [f"k{i}" for i in range(4)]
+        with pytest.raises(TypeError, match="column 'pixel_values' is a list"):
+            dp.put("p", keys, {"pixel_values": rows})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the strided layout is "prototype"
+            strided = torch.nested.nested_tensor(rows)
+        with pytest.raises(TypeError, match="column 'pixel_values' is a strided nested tensor"):
+            dp.put("p", keys, {"pixel_values": strided})
+        with pytest.raises(KeyError):
+            dp.list("p")  # nothing was stored
+
+    def test_decode_zero_tags(self):
+        with pytest.raises(ValueError, match="empty wire batch"):
+            CODEC.decode(WireBatch({}, []))
+        with pytest.raises(ValueError, match="empty batch.*pixel_values"):
+            CODEC.encode(build_batch("qwen2_vl", [RowPlan(2, images=[1])]).slice(0, 0))
+
+    def test_decode_zero_tags_names_the_columns(self):
+        wire = CODEC.encode(build_batch("qwen2_vl", [RowPlan(2, images=[1])]))
+        with pytest.raises(ValueError, match="pixel_values"):
+            CODEC.decode(WireBatch(dict(wire.columns), []))
+
+    def test_decode_wrong_dtype_column(self):
+        wire = CODEC.encode(_qwen())
+        wire.columns["input_ids"] = wire.columns["input_ids"].to(torch.float32)
+        with pytest.raises(TypeError, match="'input_ids'"):
+            CODEC.decode(wire)
+
+
+# =====================================================================================
+# BatchMeta
+# =====================================================================================
+def _meta(n: int = 5, lens=None) -> BatchMeta:
+    lens = lens if lens is not None else [3 + (7 * i) % 11 for i in range(n)]
+    return BatchMeta("p", [f"k{i}" for i in range(len(lens))], ["input_ids", "pixel_values"],
+                     lens, [{"seq_len": s, "pixel_values": {"shapes": [[i + 1, 4]]}}
+                            for i, s in enumerate(lens)], {"step": 1})
+
+
+class TestBatchMeta:
+    def test_subset_copies_tags(self):
+        m = _meta()
+        s = m.subset([4, 1])
+        assert s.keys == ["k4", "k1"] and s.seq_lens == [m.seq_lens[4], m.seq_lens[1]]
+        assert s.tags == [m.tags[4], m.tags[1]] and s.extra == m.extra
+        s.tags[0]["pixel_values"]["shapes"][0][0] = 99
+        assert m.tags[4]["pixel_values"]["shapes"] == [[5, 4]]
+        with pytest.raises(IndexError, match="meta index 5 out of range for 5 keys"):
+            m.subset([5])
+        with pytest.raises(IndexError, match="meta index -1"):
+            m.subset([-1])
+
+    def test_slice_and_concat(self):
+        m = _meta()
+        assert m.slice(1, 3).keys == ["k1", "k2"]
+        assert m.slice(3, 100).keys == ["k3", "k4"]
+        back = BatchMeta.concat([m.slice(0, 2), m.slice(2, 5)])
+        assert (back.keys, back.seq_lens, back.tags, back.fields) == \
+            (m.keys, m.seq_lens, m.tags, m.fields)
+
+    def test_concat_errors(self):
+        m = _meta()
+        with pytest.raises(ValueError, match="duplicated: \\['k0'\\]"):
+            BatchMeta.concat([m.slice(0, 2), m.slice(0, 1)])
+        other = BatchMeta("q", ["z"], m.fields, [1], [{}])
+        with pytest.raises(ValueError, match="partitions 'p' and 'q'"):
+            BatchMeta.concat([m, other])
+        with pytest.raises(ValueError, match="fields"):
+            BatchMeta.concat([m.slice(0, 1), m.slice(1, 2).drop("pixel_values")])
+        with pytest.raises(ValueError, match="at least one"):
+            BatchMeta.concat([])
+
+    def test_drop_and_with_fields(self):
+        m = _meta()
+        d = m.drop("pixel_values")
+        assert d.fields == ["input_ids"] and m.fields == ["input_ids", "pixel_values"]
+        assert d.tags == m.tags and d.keys == m.keys
+        with pytest.raises(KeyError, match="'advantages'"):
+            m.drop("advantages")
+        w = m.with_fields("advantages", "input_ids")
+        assert w.fields == ["input_ids", "pixel_values", "advantages"]
+        assert w.tags == m.tags
+
+    def test_stamp_tags(self):
+        m = _meta(3)
+        one = m.stamp_tags({"policy_version": 2})
+        assert all(t["policy_version"] == 2 for t in one.tags)
+        assert all("policy_version" not in t for t in m.tags)
+        assert all("seq_len" in t for t in one.tags)  # merged, not replaced
+        per = m.stamp_tags([{"r": 0}, {"r": 1}, {"r": 2}])
+        assert [t["r"] for t in per.tags] == [0, 1, 2]
+        with pytest.raises(ValueError, match="stamp_tags got 2 tags for 3 keys"):
+            m.stamp_tags([{}, {}])
+
+    def test_constructor_errors(self):
+        with pytest.raises(ValueError, match="duplicated: \\['a'\\]"):
+            BatchMeta("p", ["a", "b", "a"], [], [1, 1, 1], [{}, {}, {}])
+        with pytest.raises(ValueError, match="2 keys but 1 tags"):
+            BatchMeta("p", ["a", "b"], [], [1, 1], [{}])
+        with pytest.raises(ValueError, match="2 keys but 3 seq_lens"):
+            BatchMeta("p", ["a", "b"], [], [1, 1, 1], [{}, {}])
+        assert BatchMeta("p", ["a"], ["x", "x"], [1], [{}]).fields == ["x"]
+
+    @PROPS
+    @given(lens=st.lists(st.integers(1, 200), max_size=40), world=st.integers(1, 9))
+    def test_shard_for_dp(self, lens, world):
+        m = _meta(lens=lens)
+        shards, inverse = m.shard_for_dp(world)
+        assert len(shards) == world
+        sizes = [len(s) for s in shards]
+        assert max(sizes) - min(sizes) <= 1  # balanced by count
+        keys = [k for s in shards for k in s.keys]
+        assert sorted(keys) == sorted(m.keys) and len(set(keys)) == len(keys)  # cover, disjoint
+        tokens = [sum(s.seq_lens) for s in shards]
+        if len(lens) >= world:
+            assert max(tokens) - min(tokens) <= max(lens)  # balanced by tokens
+        for rank, s in enumerate(shards):
+            assert s.extra["dp_rank"] == rank and s.extra["dp_world"] == world
+            assert s.extra["step"] == 1
+            for k, sl, t in zip(s.keys, s.seq_lens, s.tags):
+                i = m.keys.index(k)
+                assert sl == m.seq_lens[i] and t == m.tags[i]  # tags travel with their keys
+            assert [m.keys.index(k) for k in s.keys] == sorted(m.keys.index(k) for k in s.keys)
+        restored = BatchMeta.concat(shards).subset(inverse)
+        assert (restored.keys, restored.seq_lens, restored.tags) == (m.keys, m.seq_lens, m.tags)
+
+    def test_shard_for_dp_balances_tokens_example(self):
+        m = _meta(lens=[100, 90, 10, 5, 50, 45])
+        shards, _ = m.shard_for_dp(2)
+        assert sorted(sum(s.seq_lens) for s in shards) == [150, 150]
+        with pytest.raises(ValueError, match="world size must be positive"):
+            m.shard_for_dp(0)
+
+
+# =====================================================================================
+# InMemoryDataPlane
+# =====================================================================================
+KEYS = ["a", "b", "c"]
+
+
+def _cols() -> dict[str, torch.Tensor]:
+    return {
+        "dense": _f32(3, 2, 4),
+        "scalar": torch.tensor([1.5, 2.5, 3.5]),
+        "ids": jagged([torch.arange(4), torch.arange(0), torch.arange(2)], torch.int64),
+        "media": torch.nested.nested_tensor_from_jagged(
+            _f32(5, 6).to(torch.bfloat16), offsets=torch.tensor([0, 2, 2, 5])),
+    }
+
+
+def _rows(col: torch.Tensor) -> list[torch.Tensor]:
+    return list(col.unbind())
+
+
+class TestInMemoryDataPlane:
+    def test_put_get_list_clear_close(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, _cols(), [{"i": i} for i in range(3)])
+        assert dp.list("p") == KEYS
+        assert sorted(dp.fields("p")) == sorted(_cols())
+        cols, tags = dp.get("p", ["c", "a"], ["dense", "ids"])
+        assert set(cols) == {"dense", "ids"}
+        assert tags == [{"i": 2}, {"i": 0}]
+        assert torch.equal(cols["dense"], _cols()["dense"][[2, 0]])
+        assert [r.tolist() for r in _rows(cols["ids"])] == [[0, 1], [0, 1, 2, 3]]
+        dp.clear("p", ["b"])
+        assert dp.list("p") == ["a", "c"]
+        with pytest.raises(KeyError, match="'b'"):
+            dp.get("p", ["b"], ["dense"])
+        with pytest.raises(KeyError, match="cannot clear keys \\['zz'\\]"):
+            dp.clear("p", ["zz"])
+        dp.clear("p")
+        with pytest.raises(KeyError, match="partition 'p' does not exist"):
+            dp.list("p")
+        dp.close()
+        for call in (lambda: dp.put("p", ["a"], {"scalar": torch.ones(1)}),
+                     lambda: dp.get("p", ["a"], ["scalar"]),
+                     lambda: dp.list("p"), lambda: dp.clear("p")):
+            with pytest.raises(RuntimeError, match="closed"):
+                call()
+
+    def test_select_fields_required(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, _cols())
+        with pytest.raises(TypeError, match="select_fields"):
+            dp.get("p", KEYS)
+        cols, tags = dp.get("p", KEYS, [])
+        assert cols == {} and len(tags) == 3
+
+    def test_missing_key_partition_field_named(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, _cols())
+        with pytest.raises(KeyError, match="keys \\['nope'\\] not in partition 'p'"):
+            dp.get("p", ["a", "nope"], ["dense"])
+        with pytest.raises(KeyError, match="partition 'other' does not exist"):
+            dp.get("other", ["a"], ["dense"])
+        with pytest.raises(KeyError, match="field 'advantages' missing"):
+            dp.get("p", ["a"], ["advantages"])
+        dp.put("p", ["d"], {"scalar": torch.ones(1)})
+        with pytest.raises(KeyError, match="field 'dense' missing for keys \\['d'\\]"):
+            dp.get("p", ["a", "d"], ["dense"])
+
+    def test_layout_preservation(self):
+        dp = InMemoryDataPlane()
+        src = _cols()
+        dp.put("p", KEYS, src)
+        cols, _ = dp.get("p", KEYS, list(src))
+        assert not cols["dense"].is_nested
+        assert cols["dense"].shape == (3, 2, 4) and torch.equal(cols["dense"], src["dense"])
+        assert cols["scalar"].shape == (3,)  # 1-D stays (N,), not (N, 1) or jagged (1,) rows
+        assert torch.equal(cols["scalar"], src["scalar"])
+        for name in ("ids", "media"):
+            assert cols[name].is_nested and cols[name].layout is torch.jagged
+            assert cols[name].dtype == src[name].dtype
+            got, want = _rows(cols[name]), _rows(src[name])
+            assert [r.shape for r in got] == [r.shape for r in want]  # zero-length row kept
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert _rows(cols["ids"])[1].shape == (0,)
+        assert cols["media"].shape[2] == 6 and _rows(cols["media"])[1].shape == (0, 6)
+
+    def test_single_key_round_trip(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", ["x"], {"scalar": torch.tensor([7.0]), "ids": jagged([torch.arange(3)],
+                                                                         torch.int64)})
+        cols, _ = dp.get("p", ["x"], ["scalar", "ids"])
+        assert cols["scalar"].shape == (1,) and cols["scalar"].item() == 7.0
+        assert _rows(cols["ids"])[0].tolist() == [0, 1, 2]
+
+    def test_no_aliasing_either_direction(self):
+        dp = InMemoryDataPlane()
+        src = _cols()
+        dp.put("p", KEYS, src)
+        for col in src.values():  # caller mutates after put
+            (col.values() if col.is_nested else col).add_(100)
+        cols, _ = dp.get("p", KEYS, list(src))
+        fresh = _cols()
+        for name in fresh:
+            a = cols[name].values() if cols[name].is_nested else cols[name]
+            b = fresh[name].values() if fresh[name].is_nested else fresh[name]
+            assert torch.equal(a, b), name
+            a.mul_(0)  # caller mutates what get returned
+        again, _ = dp.get("p", KEYS, list(src))
+        for name in fresh:
+            a = again[name].values() if again[name].is_nested else again[name]
+            b = fresh[name].values() if fresh[name].is_nested else fresh[name]
+            assert torch.equal(a, b), name
+
+    def test_tags_not_aliased(self):
+        dp = InMemoryDataPlane()
+        tags = [{"s": [1]}, {"s": [2]}, {"s": [3]}]
+        dp.put("p", KEYS, {"scalar": torch.ones(3)}, tags)
+        tags[0]["s"].append(9)
+        _, got = dp.get("p", KEYS, [])
+        got[1]["s"].append(9)
+        _, again = dp.get("p", KEYS, [])
+        assert again == [{"s": [1]}, {"s": [2]}, {"s": [3]}]
+
+    def test_merge_of_later_put(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, {"ids": _cols()["ids"]}, [{"seq_len": i, "v": 0} for i in range(3)])
+        dp.put("p", ["b", "c"], {"advantages": torch.tensor([0.5, -0.5])}, [{"v": 1}, {"v": 2}])
+        cols, tags = dp.get("p", ["b", "c"], ["ids", "advantages"])
+        assert cols["advantages"].tolist() == [0.5, -0.5]
+        assert [r.tolist() for r in _rows(cols["ids"])] == [[], [0, 1]]
+        assert tags == [{"seq_len": 1, "v": 1}, {"seq_len": 2, "v": 2}]
+        assert dp.list("p") == KEYS
+        # a re-put of an existing column replaces its rows
+        dp.put("p", ["a"], {"advantages": torch.tensor([9.0])})
+        assert dp.get("p", ["a", "c"], ["advantages"])[0]["advantages"].tolist() == [9.0, -0.5]
+        dp.clear("p", ["a"])
+        dp.put("p", ["a"], {"ids": jagged([torch.arange(1)], torch.int64)})
+        with pytest.raises(KeyError, match="field 'advantages' missing for keys \\['a'\\]"):
+            dp.get("p", ["a"], ["advantages"])
+
+    @pytest.mark.parametrize(
+        "first, second",
+        [
+            (torch.zeros(3, 4), torch.zeros(3, 5)),
+            (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.bfloat16)),
+            (torch.zeros(3), torch.zeros(3, 1)),
+            (torch.zeros(3, 4), jagged([torch.zeros(4)] * 3, torch.float32)),
+            (jagged([torch.zeros(2)] * 3, torch.int64), jagged([torch.zeros(2)] * 3,
+                                                                torch.int32)),
+        ],
+        ids=["trailing", "dtype", "rank", "dense-to-jagged", "jagged-dtype"],
+    )
+    def test_layout_conflict_on_reput(self, first, second):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, {"col": first})
+        with pytest.raises(ValueError, match="column 'col' in partition 'p' was written as"):
+            dp.put("p", KEYS, {"col": second})
+        dp.put("q", KEYS, {"col": second})  # partitions record layouts independently
+
+    def test_failed_put_stores_nothing(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, {"col": torch.zeros(3, 4)})
+        with pytest.raises(ValueError, match="'col'"):
+            dp.put("p", ["d"], {"new": torch.ones(1), "col": torch.zeros(1, 5)})
+        assert dp.list("p") == KEYS
+        assert "new" not in dp.fields("p")
+
+    @pytest.mark.parametrize(
+        "col",
+        [torch.zeros(2, 4), jagged([torch.zeros(1)] * 4, torch.float32)],
+        ids=["dense", "jagged"],
+    )
+    def test_put_wrong_row_count_names_column(self, col):
+        dp = InMemoryDataPlane()
+        with pytest.raises(ValueError, match=f"column 'bad' has {col.size(0)} rows for 3 keys"):
+            dp.put("p", KEYS, {"ok": torch.zeros(3), "bad": col})
+        with pytest.raises(KeyError):
+            dp.list("p")
+
+    def test_put_argument_errors(self):
+        dp = InMemoryDataPlane()
+        with pytest.raises(ValueError, match="duplicated keys"):
+            dp.put("p", ["a", "a"], {"x": torch.zeros(2)})
+        with pytest.raises(ValueError, match="2 tags for 3 keys"):
+            dp.put("p", KEYS, {"x": torch.zeros(3)}, [{}, {}])
+        with pytest.raises(ValueError, match="column 'x' is 0-d"):
+            dp.put("p", KEYS, {"x": torch.tensor(1.0)})
+
+    def test_partitions_are_isolated(self):
+        dp = InMemoryDataPlane()
+        dp.put("p", KEYS, {"x": torch.zeros(3)})
+        dp.put("q", KEYS, {"x": torch.ones(3)})
+        assert dp.get("p", KEYS, ["x"])[0]["x"].tolist() == [0.0] * 3
+        dp.clear("q")
+        assert dp.get("p", KEYS, ["x"])[0]["x"].tolist() == [0.0] * 3
+
+    def test_non_contiguous_jagged_column(self):
+        col = torch.nested.nested_tensor_from_jagged(
+            torch.arange(10.0), offsets=torch.tensor([0, 4, 8]), lengths=torch.tensor([2, 3]))
+        want = [r.tolist() for r in col.unbind()]
+        assert want == [[0.0, 1.0], [4.0, 5.0, 6.0]]
+        dp = InMemoryDataPlane()
+        dp.put("p", ["a", "b"], {"x": col})
+        got = [r.tolist() for r in dp.get("p", ["a", "b"], ["x"])[0]["x"].unbind()]
+        assert got == want
+
