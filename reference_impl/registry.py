@@ -121,9 +121,18 @@ class FamilySpec:
     keep_dtype: frozenset[str] = frozenset()  # media this family keeps in its own dtype
     # the trailing shape of one segment of each packed field, as the real processor emits it
     segment_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # fields whose per-image segments gain a leading image dim, so that padding the patch dim
+    # and concatenating on dim 0 builds `[n_images, max_patches, ...]` (LLaVA-NeXT)
+    image_blocks: frozenset[str] = frozenset()
 
     def pack_dim(self, name: str) -> int:
         return self.pack_dims.get(name, FIELDS[name].pack_dim)
+
+    def segments(self, name: str, per_sample: list) -> list:
+        """Per-sample segment lists as a processor splits them -> this family's segments."""
+        if name not in self.image_blocks:
+            return per_sample
+        return [None if r is None else [s.unsqueeze(0) for s in r] for r in per_sample]
 
     def packed_fields(self) -> tuple[str, ...]:
         return tuple(f for f in self.fields if FIELDS[f].kind is Kind.PACKED)
@@ -182,6 +191,7 @@ FAMILIES: dict[str, FamilySpec] = {
             # one segment [1, patches, 3, H, W] per image; patches differ across images, so the
             # model input [n_images, max_patches, 3, H, W] is padded on dim 1 only in as_tensor()
             segment_shapes={"pixel_values": (None, 3, 336, 336), "image_sizes": (2,)},
+            image_blocks=frozenset({"pixel_values"}),
         ),
         FamilySpec(
             "nemotron_omni",

@@ -10,11 +10,14 @@ import uuid
 
 import pytest
 import torch
+
 from rlconform.conformance.catalogue_trainer import GEN_SIR_TOL, GEN_TMPE_TOL
 from rlconform.reference_impl.grpo import dataplane_step
 from rlconform.reference_impl.trainer import TrainerSettings
 
 FAMILIES = ("qwen2_vl", "smolvlm", "gemma3", "text")
+ALL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm", "idefics3", "llava",
+                "llava_next", "text")  # as in test_trainer.py
 GROUP = 2
 MAX_NEW_TOKENS = 6
 MIXED = (1, 0, 2)
@@ -83,7 +86,7 @@ def _agreement(out, dtype, record_metric, step=None) -> list[str]:
 
 # -- GEN-LOGPROB-AGREEMENT ----------------------------------------------------------------
 @pytest.mark.clause("GEN-LOGPROB-AGREEMENT")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_generation_logprobs_agree_with_prev_logprobs(transport, codec, meta_cls, dtype,
                                                       record_metric, setup, family):
     settings, engine, make_trainer, prompts, images = setup(family)
@@ -96,6 +99,54 @@ def test_generation_logprobs_agree_with_prev_logprobs(transport, codec, meta_cls
         "the agreement metrics do not cover every loss token"
     bad = _agreement(out, dtype, record_metric)
     assert not bad, "engine and trainer disagree: " + "; ".join(bad)
+
+
+# -- GEN-ROLLOUT-FIELDS -------------------------------------------------------------------
+@pytest.mark.clause("GEN-ROLLOUT-FIELDS")
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_rollout_batch_carries_the_processor_output(dtype, setup, family):
+    from rlconform.fixtures.families import build_family
+    from rlconform.reference_impl.packed import PackedTensor
+    from rlconform.reference_impl.registry import FAMILIES, FIELDS, DtypePolicy
+
+    _, engine, _, prompts, images = setup(family)
+    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=2)
+    fam = build_family(family)
+    lens, plens = batch["input_lengths"], batch["prompt_lengths"]
+    for i, (p, imgs) in enumerate(zip(prompts, images)):
+        feats = fam.process([p], [imgs])
+        n, k = int(plens[i]), int(lens[i])
+        assert n == feats["input_ids"].shape[1] and \
+            torch.equal(batch["input_ids"][i, :n], feats["input_ids"][0]), \
+            f"row {i}: the prompt tokens differ from the processor's"
+        missing = sorted(set(feats) - set(batch.fields))
+        assert not missing, f"row {i}: the rollout batch lacks processor fields {missing}"
+        media = fam.per_sample_media(feats, [len(imgs)])
+        for name, t in feats.items():
+            if name in ("input_ids", "attention_mask") or name in media:
+                continue
+            got = batch[name]
+            assert torch.equal(got[i, :n], t[0]) and bool((got[i, n:k] == 0).all()), \
+                f"row {i}: per-token map {name!r} is not the processor's, zero over the " \
+                "completion"
+        for name, per_row in media.items():
+            got = batch[name]
+            assert isinstance(got, PackedTensor), \
+                f"{name!r} is a {type(got).__name__}, not a PackedTensor"
+            want = FAMILIES[batch.family].segments(name, per_row)[0]
+            segs = got.row_segments(i)
+            assert (want is None) == (segs is None), \
+                f"row {i}: {name!r} is {'None' if segs is None else 'present'}, the processor " \
+                f"gave {'None' if want is None else 'media'}"
+            if want is None:
+                continue
+            cast = FIELDS[name].dtype_policy is DtypePolicy.POLICY and want[0].is_floating_point()
+            want = [w.to(dtype) if cast else w for w in want]
+            assert [list(s.shape) for s in segs] == [list(w.shape) for w in want], \
+                f"row {i}: {name!r} segment shapes differ from the processor's"
+            for s, w in zip(segs, want):
+                assert s.dtype == w.dtype, f"row {i}: {name!r} is {s.dtype}, expected {w.dtype}"
+                assert torch.equal(s, w), f"row {i}: {name!r} values differ from the processor's"
 
 
 # -- GEN-ORDINARY-TOKENS ------------------------------------------------------------------

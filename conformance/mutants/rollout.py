@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.rollout import HFRollout
