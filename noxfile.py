@@ -58,7 +58,7 @@ def conformance(session: nox.Session) -> None:
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
-    _install(session, "dev", "transferqueue")
+    _install(session, "dev", "mooncake")
     session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), *session.posargs)
 
 
@@ -77,8 +77,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def bench(session: nox.Session) -> None:
-    """Codec and transport throughput as ratios to torch.clone measured in the same run."""
-    _install(session)
+    """Codec and transport throughput as ratios to torch.clone measured in the same run.
+
+    `nox -s bench -- --backend transferqueue-simple` adds that backend's put/get."""
+    _install(session, backend_reqs=_backend_requirements(list(session.posargs)))
     session.run("python", "bench/bench_dataplane.py", *session.posargs)
 
 

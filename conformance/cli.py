@@ -44,7 +44,7 @@ def _cmd_clauses(a, extra) -> int:
 
         print(json.dumps([asdict(c) for c in CLAUSES], indent=2))
     else:
-        print(clause_table())
+        print(clause_table(), end="")
     return 0
 
 

@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
 from rlconform.conformance import catalogue
 from rlconform.conformance.backend import Backend, load_backend
 from rlconform.conformance.waivers import load_waivers

@@ -94,15 +94,30 @@ def clause_status(tests: list[dict], waived: bool) -> str:
     return raw
 
 
+def _param(nodeid: str) -> str:
+    """`test_x[qwen2_vl-2]` -> `qwen2_vl-2`; '' for an unparametrized test."""
+    name = nodeid.rsplit("::", 1)[-1]
+    return name[name.index("[") + 1:-1] if name.endswith("]") and "[" in name else ""
+
+
 def _metrics(tests: list[dict]) -> dict:
+    """Metrics by name; a name that several tests record is kept per test (`name[param]`),
+    never overwritten or pooled across families."""
     out: dict = {}
     series: dict = defaultdict(list)
+    recorders: dict = defaultdict(set)
     for t in tests:
         for m in t["metrics"]:
+            recorders[m["name"]].add(t["nodeid"])
+    for t in tests:
+        for m in t["metrics"]:
+            name = m["name"]
+            if len(recorders[name]) > 1:
+                name = f"{name}[{_param(t['nodeid']) or t['nodeid'].rsplit('::', 1)[-1]}]"
             if m["step"] is None:
-                out[m["name"]] = m["summary"]
+                out[name] = m["summary"]
             else:
-                series[m["name"]].append((m["step"], m["summary"]))
+                series[name].append((m["step"], m["summary"]))
     for name, pts in series.items():
         pts.sort(key=lambda p: p[0])
         vals = [{k: v for k, v in s.items() if k != "histogram"} for _, s in pts]

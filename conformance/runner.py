@@ -25,6 +25,7 @@ def run(backend: str = "reference", extra: list[str] | None = None,
         workers: str | None = "auto") -> int:
     """One pytest session in this process; returns its exit code."""
     import pytest
+
     from rlconform.conformance.backend import load_backend
 
     b = load_backend(backend)

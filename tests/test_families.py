@@ -15,6 +15,8 @@ import random
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
+
 from rlconform.fixtures.families import (
     FAMILY_NAMES,
     PACKING_MODES,
@@ -30,7 +32,6 @@ from rlconform.fixtures.images import (
     make_sample,
     reward,
 )
-from transformers import LogitsProcessorList
 
 VLMS = tuple(n for n in FAMILY_NAMES if n != "text")
 EXPECTED = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm", "idefics3", "llava",

@@ -20,6 +20,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlconform.reports import (
     EXIT_FAILED,
     EXIT_OK,

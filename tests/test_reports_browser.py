@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from rlconform.reports import write_reports
 from rlconform.reports.sample import example_report
 

@@ -23,7 +23,7 @@ class BackendUnavailable(RuntimeError):
 
 
 class BackendTimeout(BackendUnavailable, TimeoutError):
-    """A store call did not answer in time; raised instead of hanging the trainer forever."""
+    """A store call did not answer in time; raised instead of stalling the trainer for minutes."""
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

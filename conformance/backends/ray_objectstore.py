@@ -195,12 +195,18 @@ def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
         off = blocks[b]["offsets"]
         spans.append((b, int(off[row]), int(off[row + 1])))
     lengths = [hi - lo for _b, lo, hi in spans]
+    runs: list[list[int]] = []  # rows adjacent in one block are copied in one go
+    for b, lo, hi in spans:
+        if runs and runs[-1][0] == b and runs[-1][2] == lo:
+            runs[-1][2] = hi
+        else:
+            runs.append([b, lo, hi])
     first = blocks[where[0][0]]["values"]
     values = np.empty((sum(lengths), *first.shape[1:]), dtype=first.dtype)
     at = 0
-    for (b, lo, hi), n in zip(spans, lengths):
-        values[at:at + n] = blocks[b]["values"][lo:hi]
-        at += n
+    for b, lo, hi in runs:
+        values[at:at + hi - lo] = blocks[b]["values"][lo:hi]
+        at += hi - lo
     offsets = torch.zeros(len(where) + 1, dtype=torch.long)
     torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(torch.from_numpy(values).view(dtype),
@@ -305,5 +311,4 @@ backend = Backend(
     capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
                             "dim1_packing"}),
     session=session,
-    requirements=("ray>=2.40", "numpy"),
 )

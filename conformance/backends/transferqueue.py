@@ -12,8 +12,10 @@ The adapter is deliberately thin, so that the clauses judge TransferQueue and no
 - library errors that mean "not there" (ValueError "keys or partition were not found",
   "fields are not ready") become KeyError naming what was asked; a shorter or empty result
   is passed through untouched (that is a TransferQueue defect, waived in expectations/);
-- every call runs on the client's event loop with a timeout, because a dead storage unit
-  makes TransferQueue wait forever (ZMQ receive without a deadline).
+- every call runs on the client's event loop with a timeout (RLCONFORM_TQ_TIMEOUT_S, 60 s),
+  because a dead SimpleStorage unit is reported only after 3 attempts x 200 s
+  (TQ_SIMPLE_STORAGE_MAX_ATTEMPTS, TQ_SIMPLE_STORAGE_SEND_RECV_TIMEOUT) and a dead Mooncake
+  master blocks the client's event loop inside a synchronous store call.
 Each transport instance writes under its own namespace (`<ns>/<partition>`), so a fresh
 instance is a fresh store although TransferQueue is one global store per Ray cluster; pass
 `namespace=` to share partitions between instances (a rollout process and a trainer).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import os
 import tempfile
 import uuid
@@ -36,7 +39,6 @@ from rlconform.conformance.backends import _procs
 LAYOUT_TAG = "__rlconform_layout__:"
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_TQ_TIMEOUT_S", "60"))
 CAPABILITIES = {"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup", "dim1_packing"}
-REQUIREMENTS = ("TransferQueue==0.1.11", "tensordict>=0.10", "ray>=2.40")
 _NOT_FOUND = "keys or partition were not found"
 _NOT_READY = "fields are not ready"
 
@@ -83,6 +85,7 @@ class TransferQueueTransport:
         self._ns = namespace or f"rlc-{uuid.uuid4().hex[:10]}"
         self._timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._written: set[str] = set()
+        self._wedged = False  # a call timed out: the store is gone, skip cleanup calls
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -99,6 +102,10 @@ class TransferQueueTransport:
             return fut.result(timeout=self._timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
+            self._wedged = True
+            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                with contextlib.suppress(Exception):  # the wedged loop never started it
+                    coro.close()
             raise _procs.BackendTimeout(
                 f"TransferQueue {what} did not answer within {self._timeout:g}s: a storage "
                 "unit, the controller or the Mooncake master is probably gone") from None
@@ -176,12 +183,10 @@ class TransferQueueTransport:
         if self._owns_namespace:
             self._timeout = min(self._timeout, 5.0)  # a dead store must not stall teardown
             for partition in list(self._written):
-                try:
-                    self.clear(partition)
-                except _procs.BackendTimeout:
+                if self._wedged:
                     break
-                except Exception:  # best effort: the store may be half gone
-                    continue
+                with contextlib.suppress(Exception):  # best effort: the store may be half gone
+                    self.clear(partition)
         self._closed = True
 
 
@@ -194,10 +199,16 @@ def _mb(var: str, default: int) -> int:
 def _tq_running(conf: dict) -> Iterator[None]:
     tq = _tq()
     tq.init(conf)
+    store = getattr(tq.get_client().storage_manager, "storage_client", None)
     try:
         yield
     finally:
         tq.close()
+        if store is not None:
+            # tq.close() never closes the Mooncake store client: its segment stays mounted and
+            # its threads keep reconnecting to the (stopped) master until garbage collection.
+            with contextlib.suppress(Exception):
+                store.close()
 
 
 @contextlib.contextmanager
@@ -257,6 +268,7 @@ def mooncake_session() -> Iterator[None]:
     with _procs.env_vars(MC_TCP_BIND_ADDRESS="127.0.0.1"):
         master, rpc, http = start_mooncake_master()
         MOONCAKE_MASTER = master
+        clean = False
         try:
             conf = {"backend": {"storage_backend": "MooncakeStore", "MooncakeStore": {
                 "auto_init": False, "metadata_server": f"127.0.0.1:{http}",
@@ -268,9 +280,12 @@ def mooncake_session() -> Iterator[None]:
                                     object_store_mb=_mb("RLCONFORM_RAY_OBJECT_STORE_MB", 256)):
                 with _tq_running(conf):
                     yield
+            clean = True
         finally:
             MOONCAKE_MASTER = None
             master.stop()
+            if clean:  # keep the master's log only when the session failed
+                master.log_path.unlink(missing_ok=True)
 
 
 simple_backend = Backend(
@@ -279,7 +294,6 @@ simple_backend = Backend(
     transport=TransferQueueTransport,
     capabilities=frozenset(CAPABILITIES),
     session=simple_session,
-    requirements=REQUIREMENTS,
 )
 
 mooncake_backend = Backend(
@@ -289,5 +303,4 @@ mooncake_backend = Backend(
     transport=TransferQueueTransport,
     capabilities=frozenset(CAPABILITIES),
     session=mooncake_session,
-    requirements=(*REQUIREMENTS, "mooncake-transfer-engine-non-cuda"),
 )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from rlconform.reference_impl.batch import Batch
 from torch import Tensor
+
+from rlconform.reference_impl.batch import Batch
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rlconform.fixtures.strategies import batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
 from rlconform.reference_impl.packed import PackedTensor

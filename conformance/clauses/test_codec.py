@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from hypothesis import given
+
 from rlconform.fixtures.strategies import batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
 from rlconform.reference_impl.codec import WireBatch

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rlconform.fixtures.strategies import batches
 from rlconform.fixtures.synthetic import build_batch, default_plan, media_families
 from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged
@@ -19,6 +20,13 @@ FAMILIES = media_families()
 
 def _partition() -> str:
     return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _block(n: int, base: float = 0.0) -> torch.Tensor:
+    """A plain dense (n, 2) column: clauses about tags, merge, clear and aliasing use columns
+    every layout handles, so each clause fails only for the defect it is about (1-D columns and
+    empty jagged rows are DP-LAYOUT's and DP-ROUNDTRIP's business)."""
+    return torch.arange(2 * n, dtype=torch.float32).reshape(n, 2) + base
 
 
 def _roundtrip_columns(transport, batch, pixel_dtype=None):
@@ -125,50 +133,52 @@ def test_layout_preserved_for_a_subset(transport):
 @pytest.mark.clause("DP-TAGS")
 def test_tags_follow_keys_in_request_order(transport):
     n = 6
-    cols = {"advantages": torch.arange(n, dtype=torch.float32)}
+    cols = {"rewards": _block(n)}
     tags = [{"row": i, "pixel_values": {"shapes": [[i + 1, 1176]], "pack_dim": 0}}
             for i in range(n)]
     keys, part = keys_for(n), _partition()
     transport.put(part, keys, cols, tags)
     for order in ([5, 0, 3], [1], list(range(n))[::-1]):
         got_cols, got_tags = transport.get(part, [keys[i] for i in order],
-                                           select_fields=["advantages"])
+                                           select_fields=["rewards"])
         assert len(got_tags) == len(order), f"{len(got_tags)} tags for {len(order)} keys"
         assert got_tags == [tags[i] for i in order], f"tags out of step for order {order}"
-        assert got_cols["advantages"].tolist() == [float(i) for i in order]
+        assert got_cols["rewards"][:, 0].tolist() == [2.0 * i for i in order]
 
 
 @pytest.mark.clause("DP-MISSING")
 def test_missing_partition_key_field_raise(transport):
     keys, part = keys_for(3), _partition()
-    transport.put(part, keys, {"advantages": torch.zeros(3)}, [{}] * 3)
+    transport.put(part, keys, {"rewards": _block(3)}, [{}] * 3)
     with pytest.raises(KeyError, match="nope-partition"):
-        transport.get("nope-partition", keys, select_fields=["advantages"])
+        transport.get("nope-partition", keys, select_fields=["rewards"])
     with pytest.raises(KeyError, match="missing-key"):
-        transport.get(part, keys + ["missing-key"], select_fields=["advantages"])
+        transport.get(part, keys + ["missing-key"], select_fields=["rewards"])
     with pytest.raises(KeyError, match="pixel_values"):
-        transport.get(part, keys, select_fields=["advantages", "pixel_values"])
+        transport.get(part, keys, select_fields=["rewards", "pixel_values"])
 
 
 @pytest.mark.clause("DP-MISSING")
 def test_select_fields_required(transport):
     keys, part = keys_for(2), _partition()
-    transport.put(part, keys, {"advantages": torch.zeros(2), "rewards": torch.ones(2)})
+    transport.put(part, keys, {"advantages": _block(2), "rewards": _block(2, 1.0)})
     with pytest.raises((TypeError, ValueError)):
         transport.get(part, keys)  # no select_fields: must not default to "everything"
 
 
 @pytest.mark.clause("DP-MERGE")
 def test_later_put_merges_columns_and_tags(transport):
-    batch = build_batch("qwen2_vl", default_plan("qwen2_vl"))
-    wire = ReferenceCodec().encode(batch)
-    keys, part = keys_for(len(batch)), _partition()
-    transport.put(part, keys, wire.columns, wire.tags)
-    adv = torch.arange(len(batch), dtype=torch.float32)
-    transport.put(part, keys, {"rewards": adv}, [{"scored": True}] * len(batch))
-    cols, tags = transport.get(part, keys, select_fields=[*wire.columns, "rewards"])
-    assert_columns_equal({**wire.columns, "rewards": adv}, cols)
-    assert tags == [{**t, "scored": True} for t in wire.tags], "merge lost or changed tags"
+    n = 4
+    first = {"pixel_values": jagged([torch.randn(4 * (i + 1)) for i in range(n)], torch.float32),
+             "image_grid_thw": torch.tensor([[1, 2, 2 * (i + 1)] for i in range(n)])}
+    tags = [{"pixel_values": {"shapes": [[4 * (i + 1), 1]], "pack_dim": 0}} for i in range(n)]
+    keys, part = keys_for(n), _partition()
+    transport.put(part, keys, first, tags)
+    rewards = _block(n)
+    transport.put(part, keys, {"rewards": rewards}, [{"scored": True}] * n)
+    cols, got = transport.get(part, keys, select_fields=[*first, "rewards"])
+    assert_columns_equal({**first, "rewards": rewards}, cols)
+    assert got == [{**t, "scored": True} for t in tags], "merge lost or changed tags"
 
 
 @pytest.mark.clause("DP-CLEAR-ISOLATION")
@@ -176,13 +186,13 @@ def test_clear_removes_exactly_what_it_names(transport):
     keys = keys_for(4)
     a, b = _partition(), _partition()
     for p, base in ((a, 0.0), (b, 10.0)):
-        transport.put(p, keys, {"advantages": torch.arange(4) + base})
+        transport.put(p, keys, {"rewards": _block(4, base)})
     transport.clear(a, [keys[0], keys[2]])
     assert sorted(transport.list(a)) == sorted([keys[1], keys[3]])
     with pytest.raises(KeyError):
-        transport.get(a, [keys[0]], select_fields=["advantages"])
-    cols, _ = transport.get(b, keys, select_fields=["advantages"])
-    assert cols["advantages"].tolist() == [10.0, 11.0, 12.0, 13.0], "clear touched partition b"
+        transport.get(a, [keys[0]], select_fields=["rewards"])
+    cols, _ = transport.get(b, keys, select_fields=["rewards"])
+    assert torch.equal(cols["rewards"], _block(4, 10.0)), "clear touched partition b"
     transport.clear(a)
     try:
         left = transport.list(a)
@@ -196,20 +206,20 @@ def test_clear_removes_exactly_what_it_names(transport):
 def test_partitions_are_isolated(transport):
     keys = keys_for(2)
     a, b = _partition(), _partition()
-    transport.put(a, keys, {"advantages": torch.tensor([1.0, 2.0])})
-    transport.put(b, keys, {"advantages": torch.tensor([3.0, 4.0])})
-    ga, _ = transport.get(a, keys, select_fields=["advantages"])
-    gb, _ = transport.get(b, keys, select_fields=["advantages"])
-    assert ga["advantages"].tolist() == [1.0, 2.0] and gb["advantages"].tolist() == [3.0, 4.0]
+    transport.put(a, keys, {"rewards": _block(2)})
+    transport.put(b, keys, {"rewards": _block(2, 100.0)})
+    ga, _ = transport.get(a, keys, select_fields=["rewards"])
+    gb, _ = transport.get(b, keys, select_fields=["rewards"])
+    assert torch.equal(ga["rewards"], _block(2)) and torch.equal(gb["rewards"], _block(2, 100.0))
     with pytest.raises(KeyError):  # a partition nobody wrote holds nothing
-        transport.get(_partition(), keys, select_fields=["advantages"])
+        transport.get(_partition(), keys, select_fields=["rewards"])
 
 
 @pytest.mark.clause("DP-NO-ALIAS")
 @given(mutate=st.sampled_from(["caller_after_put", "result_of_get"]))
 def test_no_aliasing(transport, mutate):
     dense = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-    ragged = jagged([torch.ones(2), torch.ones(0), torch.ones(3)], torch.float32)
+    ragged = jagged([torch.ones(2), torch.ones(1), torch.ones(3)], torch.float32)
     want = {"image_sizes": dense.clone(), "pixel_values": ragged.clone()}
     keys, part = keys_for(3), _partition()
     transport.put(part, keys, {"image_sizes": dense, "pixel_values": ragged})

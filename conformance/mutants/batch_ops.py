@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from rlconform.conformance.backends.reference import build
 from rlconform.reference_impl.batch import BatchOps
 from rlconform.reference_impl.packed import PackedTensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from rlconform.conformance.backends.reference import build
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from rlconform.conformance.backends.reference import build
 from rlconform.reference_impl.dataplane import InMemoryDataPlane
 
