@@ -230,8 +230,8 @@ class GRPOCore:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
 
-class LegacyTrainer:
-    """The in-memory path: the driver hands whole `Batch`es to the trainer."""
+class _Trainer:
+    """What both paths share: one GRPOCore (the algorithm), its models and weights."""
 
     core_cls = GRPOCore
 
@@ -247,6 +247,13 @@ class LegacyTrainer:
     def reference_model(self) -> torch.nn.Module:
         return self.core.reference_model
 
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.core.state_dict()
+
+
+class LegacyTrainer(_Trainer):
+    """The in-memory path: the driver hands whole `Batch`es to the trainer."""
+
     def compute_logprobs(self, batch: Batch, stage: Stage) -> Tensor:
         return self.core.logprobs(batch, stage)
 
@@ -254,29 +261,15 @@ class LegacyTrainer:
         """`batch`, or one batch per data-parallel rank (one optimizer step over all)."""
         return self.core.train([batch] if isinstance(batch, Batch) else list(batch))
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return self.core.state_dict()
 
-
-class DataPlaneTrainer:
+class DataPlaneTrainer(_Trainer):
     """The data-plane path: every pass starts from a meta and fetches through the transport."""
-
-    core_cls = GRPOCore
 
     def __init__(self, settings: TrainerSettings, transport, codec,
                  model: torch.nn.Module | None = None):
-        self.settings = settings
+        super().__init__(settings, model)
         self.transport = transport
         self.codec = codec
-        self.core = self.core_cls(settings, model)
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.core.model
-
-    @property
-    def reference_model(self) -> torch.nn.Module:
-        return self.core.reference_model
 
     def stage_fields(self, meta, stage: Stage) -> list[str]:
         """What `stage` fetches: every registered field it consumes that the meta holds."""
@@ -302,6 +295,3 @@ class DataPlaneTrainer:
         """`meta`, or one meta per data-parallel rank (one optimizer step over all)."""
         metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
         return self.core.train([self.fetch(m, Stage.TRAIN) for m in metas])
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return self.core.state_dict()
