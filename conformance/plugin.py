@@ -262,8 +262,20 @@ def record_metric(request):
 
 
 # -- results ----------------------------------------------------------------------------------
+HYPOTHESIS_PROP = "rlconform_hypothesis"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep hypothesis' notes (the shrunk example and the replay blob) on the report."""
+    outcome = yield
+    rep = outcome.get_result()
+    exc = call.excinfo.value if call.excinfo is not None else None
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        rep.user_properties.append((HYPOTHESIS_PROP, [str(n) for n in notes]))
+
 _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
-_EXAMPLE = re.compile(r"Falsifying example: (.*?)(?:\n\n|\Z)", re.S)
 
 
 def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
@@ -290,10 +302,12 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
         text = report.longreprtext or str(report.longrepr)
         r["outcome"] = "error" if report.when != "call" else "failed"
         r["message"] = _first_error_line(text)
-        blob, example = _BLOB.search(text), _EXAMPLE.search(text)
-        if blob or example:
+        notes = dict(report.user_properties).get(HYPOTHESIS_PROP) or []
+        examples = [n.strip() for n in notes if not _BLOB.search(n)]
+        blob = _BLOB.search("\n".join(notes)) or _BLOB.search(text)
+        if blob or examples:
             r["hypothesis"] = {
-                "example": example.group(1).strip()[:4000] if example else "",
+                "example": "\n".join(examples)[:4000],
                 "blob": f"{blob.group(1)}:{blob.group(2)}" if blob else "",
             }
 
