@@ -302,6 +302,8 @@ def render_html(report: Mapping[str, Any]) -> str:
     summary = report["summary"]
     plots = []
     for clause, name, metric in iter_metrics(report):
+        if metric["kind"] == "distribution" and metric.get("min") == metric.get("max"):
+            continue  # one value: its table row says it all; a plot per family would bloat the page
         png = plot_metric(clause["id"], name, metric)
         if png is None:
             continue

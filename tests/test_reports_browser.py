@@ -116,8 +116,8 @@ def test_page_runs_its_script_and_shows_clauses_and_plots(rendered, tmp_path):
     assert dom.texts["verdict"].strip() == "FAIL"
     # details start collapsed once the script ran
     assert all("hidden" in dom.by_id[f"{row['id']}-detail"] for row in dom.rows)
-    plotted = sum(
-        m["kind"] in ("distribution", "series")
+    plotted = sum(  # a constant distribution is a table row, not a plot
+        m["kind"] == "series" or (m["kind"] == "distribution" and m["min"] != m["max"])
         for c in report["clauses"]
         for m in (c.get("metrics") or {}).values()
     )
