@@ -314,6 +314,9 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
 
 def _first_error_line(text: str) -> str:
     lines = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    # an exception group (hypothesis found several failures) draws boxes: keep the words
+    lines = [ln.lstrip("|").strip() for ln in lines]
+    lines = [ln for ln in lines if ln and not ln.startswith("+-")]
     msg = " ".join(lines) if lines else text.strip().splitlines()[-1] if text.strip() else ""
     return msg[:2000]
 

@@ -222,7 +222,7 @@ class RayObjectStoreTransport:
             raise RuntimeError("Ray is not running: enter the backend's session "
                                "(Backend.session) before making a transport")
         self._ray = ray
-        self._timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self.index = ray.remote(num_cpus=0, max_restarts=0)(_Index).remote()
         self._closed = False
 
@@ -231,10 +231,10 @@ class RayObjectStoreTransport:
         if self._closed:
             raise RuntimeError("transport is closed")
         try:
-            return ray.get(refs, timeout=self._timeout)
+            return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise _procs.BackendTimeout(f"ray-objectstore {what} did not answer within "
-                                        f"{self._timeout:g}s") from None
+                                        f"{self.timeout_s:g}s") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
             raise _procs.BackendUnavailable(f"ray-objectstore {what} failed: the index actor or "
                                             f"a block owner is gone ({type(exc).__name__}: "

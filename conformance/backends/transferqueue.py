@@ -83,7 +83,7 @@ class TransferQueueTransport:
                                "(Backend.session) before making a transport") from exc
         self._owns_namespace = namespace is None
         self._ns = namespace or f"rlc-{uuid.uuid4().hex[:10]}"
-        self._timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._written: set[str] = set()
         self._wedged = False  # a call timed out: the store is gone, skip cleanup calls
         self._closed = False
@@ -99,7 +99,7 @@ class TransferQueueTransport:
             raise RuntimeError("transport is closed")
         fut = asyncio.run_coroutine_threadsafe(coro, self._client._loop)
         try:
-            return fut.result(timeout=self._timeout)
+            return fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             self._wedged = True
@@ -107,7 +107,7 @@ class TransferQueueTransport:
                 with contextlib.suppress(Exception):  # the wedged loop never started it
                     coro.close()
             raise _procs.BackendTimeout(
-                f"TransferQueue {what} did not answer within {self._timeout:g}s: a storage "
+                f"TransferQueue {what} did not answer within {self.timeout_s:g}s: a storage "
                 "unit, the controller or the Mooncake master is probably gone") from None
 
     def _get_meta(self, partition: str, keys: list[str]):
@@ -181,7 +181,7 @@ class TransferQueueTransport:
         if self._closed:
             return
         if self._owns_namespace:
-            self._timeout = min(self._timeout, 5.0)  # a dead store must not stall teardown
+            self.timeout_s = min(self.timeout_s, 5.0)  # a dead store must not stall teardown
             for partition in list(self._written):
                 if self._wedged:
                     break
