@@ -123,3 +123,15 @@ def kill_cell(mutant: Mapping[str, Any], clause_id: str) -> str:
     if failed:
         return "extra"
     return ""
+
+
+# A distribution whose spread is below float32 resolution carries no shape worth a plot (KL
+# errors of 1e-13, ratios of exactly 1): its table row says it all.
+FLAT_RTOL = 1e-6
+
+
+def is_flat(metric: Mapping[str, Any]) -> bool:
+    if metric.get("kind") != "distribution" or metric.get("min") is None:
+        return False
+    lo, hi = float(metric["min"]), float(metric["max"])
+    return hi - lo <= FLAT_RTOL * max(1.0, abs(hi), abs(lo))

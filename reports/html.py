@@ -22,6 +22,7 @@ from ._common import (
     fmt_duration,
     fmt_num,
     fmt_score,
+    is_flat,
     iter_metrics,
     kill_cell,
     kill_matrix_columns,
@@ -302,8 +303,8 @@ def render_html(report: Mapping[str, Any]) -> str:
     summary = report["summary"]
     plots = []
     for clause, name, metric in iter_metrics(report):
-        if metric["kind"] == "distribution" and metric.get("min") == metric.get("max"):
-            continue  # one value: its table row says it all; a plot per family would bloat the page
+        if is_flat(metric):
+            continue  # no spread: its table row says it all; a plot per family would bloat the page
         png = plot_metric(clause["id"], name, metric)
         if png is None:
             continue

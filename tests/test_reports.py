@@ -43,6 +43,7 @@ from rlconform.reports import (
     validate_report,
     write_reports,
 )
+from rlconform.reports._common import is_flat
 from rlconform.reports.html import plot_metric
 from rlconform.reports.sample import example_report
 
@@ -666,7 +667,7 @@ def test_html_is_self_contained_with_one_plot_per_varying_distribution_or_series
         m
         for c in report["clauses"]
         for m in (c.get("metrics") or {}).values()
-        if m["kind"] == "series" or (m["kind"] == "distribution" and m["min"] != m["max"])
+        if m["kind"] == "series" or (m["kind"] == "distribution" and not is_flat(m))
     ]
     assert len(srcs) == len(plotted) >= 5  # a constant distribution is a table row, no plot
     for src in srcs:
@@ -845,3 +846,12 @@ def test_gate_fails_a_partial_run():
     report["deselected"] = ["TRAIN-RATIO-ONE"]
     result = gate(report)
     assert not result.ok and any("TRAIN-RATIO-ONE" in r for r in result.reasons)
+
+
+def test_flat_distributions_are_not_plotted():
+    from rlconform.reports._common import is_flat
+
+    assert is_flat({"kind": "distribution", "min": 1.0, "max": 1.0})
+    assert is_flat({"kind": "distribution", "min": 0.0, "max": 1.1e-13})
+    assert not is_flat({"kind": "distribution", "min": 0.83, "max": 1.08})
+    assert not is_flat({"kind": "series", "steps": [0], "values": []})

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from rlconform.reports import write_reports
+from rlconform.reports._common import is_flat
 from rlconform.reports.sample import example_report
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -117,7 +118,7 @@ def test_page_runs_its_script_and_shows_clauses_and_plots(rendered, tmp_path):
     # details start collapsed once the script ran
     assert all("hidden" in dom.by_id[f"{row['id']}-detail"] for row in dom.rows)
     plotted = sum(  # a constant distribution is a table row, not a plot
-        m["kind"] == "series" or (m["kind"] == "distribution" and m["min"] != m["max"])
+        m["kind"] == "series" or (m["kind"] == "distribution" and not is_flat(m))
         for c in report["clauses"]
         for m in (c.get("metrics") or {}).values()
     )
