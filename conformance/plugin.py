@@ -16,13 +16,12 @@ from __future__ import annotations
 import datetime as dt
 import re
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from rlconform.conformance import catalogue
-from rlconform.conformance.backend import Backend, load_backend
+from rlconform.conformance.backend import SURFACES, Backend, load_backend
 from rlconform.conformance.waivers import load_waivers
 
 CLAUSE_PROP = "rlconform_clauses"
@@ -79,7 +78,6 @@ class RlconformState:
             self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
         )
         self.results: dict[str, dict] = {}
-        self.collected: dict[str, list[str]] = defaultdict(list)  # clause -> nodeids
         self.started = time.time()
         self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.report: dict | None = None
@@ -128,6 +126,10 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
     surfaces = config.getoption("--surfaces")
     if surfaces:
         keep_surfaces = set(surfaces.split(","))
+        unknown = sorted(keep_surfaces - set(SURFACES))
+        if unknown:
+            raise pytest.UsageError(f"--surfaces names unknown surfaces {unknown}; "
+                                    f"known: {', '.join(SURFACES)}")
         kept, dropped = [], []
         for item in items:
             ids = [i for m in item.iter_markers("clause") for i in m.args]
@@ -147,8 +149,6 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
             errors.append(f"{item.nodeid} names unknown clauses {unknown}")
             continue
         item.user_properties.append((CLAUSE_PROP, ids))
-        for i in ids:
-            st.collected[i].append(item.nodeid)
         reasons = [r for r in (applicability(st.backend, catalogue.BY_ID[i]) for i in ids) if r]
         if reasons:
             item.add_marker(pytest.mark.skip(reason=NA_PREFIX + "; ".join(sorted(set(reasons)))))
