@@ -216,3 +216,54 @@ def test_hypothesis_failure_is_reported_and_replays(tmp_path):
     fixed = subprocess.run([*again, "--backend", "reference"], capture_output=True, text=True,
                            cwd=ROOT, timeout=300)
     assert "DidNotReproduce" in fixed.stdout, fixed.stdout[-2000:]
+
+
+FAKE_WANDB = '''
+import json, os
+_log = os.environ["FAKE_WANDB_LOG"]
+
+def _write(kind, payload):
+    with open(_log, "a") as f:
+        f.write(json.dumps([kind, payload], default=str) + "\\n")
+
+class Artifact:
+    def __init__(self, name, type):
+        self.name, self.files = name, []
+    def add_file(self, path):
+        self.files.append(os.path.basename(path))
+
+class _Run:
+    def log(self, data, step=None):
+        _write("log", data)
+    def log_artifact(self, art):
+        _write("artifact", {"name": art.name, "files": art.files})
+    def finish(self):
+        _write("finish", {"mode": os.environ.get("WANDB_MODE")})
+
+def init(project=None, name=None, config=None):
+    _write("init", {"project": project, "backend": (config or {}).get("backend")})
+    return _Run()
+'''
+
+
+def test_wandb_only_with_the_flag(tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    log = tmp_path / "wandb.jsonl"
+    env = {"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FAKE_WANDB_LOG": str(log)}
+    code, report, out = run_suite(tmp_path, "reference", "--surfaces", "meta", env=env)
+    assert code == 0, out[-2000:]
+    assert not log.exists(), "wandb was used without --wandb"
+    code, report, out = run_suite(tmp_path, "reference", "--surfaces", "meta", "--wandb",
+                                  env=env)
+    assert code == 0, out[-2000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "init" and kinds[-1] == "finish", kinds
+    logged = {k: v for kind, data in events if kind == "log" for k, v in data.items()}
+    assert logged["summary/passed"] == report["summary"]["passed"]
+    artifact = next(d for k, d in events if k == "artifact")
+    assert set(artifact["files"]) == {"report.json", "report.md", "report.html", "junit.xml"}
+    assert events[-1][1]["mode"] == "offline", "wandb must default to offline"
