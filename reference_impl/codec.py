@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
+from .dataplane import jagged_from_values
 from .packed import PackedTensor
 from .registry import FAMILIES, DtypePolicy, Kind, spec
 
@@ -33,21 +34,10 @@ class WireBatch:
         return len(self.tags)
 
 
-def jagged(rows: list[Tensor], dtype: torch.dtype, device=None) -> Tensor:
+def jagged(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
     """A jagged nested tensor from 1-D rows (zero-length rows allowed), one copy of the data."""
-    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=offsets[1:])
     values = torch.cat(rows).to(dtype) if rows else torch.empty(0, dtype=dtype)
-    if device is not None:
-        values, offsets = values.to(device), offsets.to(device)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-
-
-def jagged_rows(column: Tensor) -> list[Tensor]:
-    if not column.is_nested:
-        raise TypeError("expected a jagged nested tensor")
-    return list(column.unbind())
+    return jagged_from_values(values, [r.shape[0] for r in rows])
 
 
 class ReferenceCodec:
@@ -106,11 +96,9 @@ class ReferenceCodec:
                              "pack_dim": v.pack_dim}
             flat.extend(s.reshape(-1) for s in segs)
             lengths.append(sum(s.numel() for s in segs))
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
         # one copy: every row's segments gathered (and cast) straight into the values
         values = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
-        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+        return jagged_from_values(values, lengths)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, wire: WireBatch) -> Batch:

@@ -55,6 +55,14 @@ def split_rows(name: str, col: Tensor, n: int) -> tuple[Layout, list[Tensor]]:
     return layout, list(block.unbind(0))
 
 
+def jagged_from_values(values: Tensor, lengths: Sequence[int]) -> Tensor:
+    """A jagged nested tensor whose row i is the next `lengths[i]` entries of `values` (a view,
+    no copy); zero-length rows allowed."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    torch.cumsum(torch.as_tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
 def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
     """One clone of the stored block when `rows` are back-to-back views of it (keys fetched in
     the order they were put): a single copy instead of one per row."""
@@ -77,14 +85,11 @@ def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
 def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
     """One fresh tensor in the written layout from stored rows (a copy, never a view)."""
     if layout.kind == JAGGED:
-        lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-        torch.cumsum(lengths, 0, out=offsets[1:])
         values = _contiguous_span(rows)
         if values is None:
             values = (torch.cat(rows) if rows
                       else torch.empty((0, *layout.trailing), dtype=layout.dtype))
-        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+        return jagged_from_values(values, [r.shape[0] for r in rows])
     if not rows:
         return torch.empty((0, *layout.trailing), dtype=layout.dtype)
     return torch.stack(rows)

@@ -178,6 +178,8 @@ def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
     import numpy as np
     import torch
 
+    from rlconform.reference_impl.dataplane import jagged_from_values
+
     kind, dtype_name, trailing = layout
     dtype = _dtype(dtype_name)
     if kind == DENSE:
@@ -207,10 +209,7 @@ def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
     for b, lo, hi in runs:
         values[at:at + hi - lo] = blocks[b]["values"][lo:hi]
         at += hi - lo
-    offsets = torch.zeros(len(where) + 1, dtype=torch.long)
-    torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(torch.from_numpy(values).view(dtype),
-                                                  offsets=offsets)
+    return jagged_from_values(torch.from_numpy(values).view(dtype), lengths)
 
 
 class RayObjectStoreTransport:
