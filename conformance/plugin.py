@@ -203,8 +203,14 @@ def transport(backend):
 
 
 @pytest.fixture
-def codec(backend):
-    return _surface(backend, "codec")()
+def codec_factory(backend):
+    """The codec surface's factory, for tests that set `pixel_dtype`."""
+    return _surface(backend, "codec")
+
+
+@pytest.fixture
+def codec(codec_factory):
+    return codec_factory()
 
 
 @pytest.fixture

@@ -104,10 +104,8 @@ def test_none_rows_and_media_free_batches(codec, family):
 
 @pytest.mark.clause("WIRE-DTYPE")
 @pytest.mark.parametrize("family", MEDIA)
-def test_dtype_policy(backend, family):
-    from rlconform.conformance.plugin import _surface
-
-    codec = _surface(backend, "codec")(pixel_dtype=torch.bfloat16)
+def test_dtype_policy(codec_factory, family):
+    codec = codec_factory(pixel_dtype=torch.bfloat16)
     batch = build_batch(family, default_plan(family), media_dtype=torch.float32)
     out = codec.decode(codec.encode(batch))
     fam = FAMILIES[family]
