@@ -196,12 +196,7 @@ def _kill_matrix(config, backend_name: str) -> dict | None:
 
 
 def write(report: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        from rlconform.reports.write import write_reports
-    except ImportError:
-        import json
+    from rlconform.reports.write import write_reports
 
-        (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-        return
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_reports(report, out_dir)
