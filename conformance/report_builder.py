@@ -178,9 +178,35 @@ def build_report(st, config) -> dict:
         "summary": summary,
         "clauses": clauses,
         "deselected": deselected,
+        "not_tested": not_tested(st.backend),
         "kill_matrix": _kill_matrix(config, st.backend.name),
         "problems": problems,
     }
+
+
+NOT_DECLARED = "not declared by the backend (it gave no reason)"
+
+
+def not_tested(backend) -> list[dict]:
+    """Clauses that did not apply, grouped by the surface (or capabilities) the backend left
+    out, with the backend's note saying why: a gate that passes must not hide what it never
+    looked at."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for c in catalogue.CLAUSES:
+        if not backend.provides(c.surface):
+            key = ("surface", c.surface)
+        else:
+            lacking = [cap for cap in c.capabilities if cap not in backend.capabilities]
+            if not lacking:
+                continue
+            key = ("capability", ", ".join(lacking))
+        groups.setdefault(key, []).append(c.id)
+    out = []
+    for (kind, name), ids in groups.items():
+        why = [backend.notes[n] for n in name.split(", ") if n in backend.notes]
+        out.append({"kind": kind, "name": name, "clauses": ids,
+                    "why": "; ".join(why) or NOT_DECLARED})
+    return out
 
 
 def _kill_matrix(config, backend_name: str) -> dict | None:

@@ -34,6 +34,16 @@ def first_line(text: str | None, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def not_tested_lines(report: Mapping[str, Any], limit: int = 6) -> list[str]:
+    """One line per surface or capability the backend left out: its clauses, and why."""
+    out = []
+    for e in report.get("not_tested") or ():
+        ids = e["clauses"]
+        shown = ", ".join(ids[:limit]) + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
+        out.append(f"{e['kind']} {e['name']}: {shown}: {first_line(e['why'])}")
+    return out
+
+
 def fmt_num(value: Any) -> str:
     if value is None:
         return "—"

@@ -27,6 +27,7 @@ from ._common import (
     kill_cell,
     kill_matrix_columns,
     metric_overview,
+    not_tested_lines,
     sorted_clauses,
 )
 from .diff import METRIC_TOLERANCES
@@ -343,6 +344,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         ("backend.surfaces", ", ".join(info["surfaces"])),
         ("backend.capabilities", ", ".join(info["capabilities"]) or "—"),
     ]
+    if info.get("source"):
+        provenance.append(("backend.source", info["source"]))
     provenance += [(k, fmt_num(v)) for k, v in flatten(report["provenance"])]
     surfaces = sorted({c["surface"] for c in clauses})
     context = {
@@ -363,6 +366,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "kill": kill,
         "problems": report.get("problems") or [],
         "deselected": report.get("deselected") or [],
+        "not_tested": not_tested_lines(report),
         "provenance": provenance,
         "generated": report["provenance"].get("finished_at") or "",
         "version": report["provenance"].get("rlconform_version") or "",

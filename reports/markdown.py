@@ -20,6 +20,7 @@ from ._common import (
     iter_metrics,
     kill_matrix_columns,
     metric_overview,
+    not_tested_lines,
     sorted_clauses,
 )
 from .gate import gate
@@ -122,6 +123,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.extend(fences)
             lines.append("")
 
+    untested = not_tested_lines(report)
+    if untested:
+        lines.append("### Not tested (not applicable to this backend)")
+        lines.extend(f"- {escape(n)}" for n in untested)
+        lines.append("")
     if report.get("deselected"):
         lines.append("### Not run in this report")
         lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")
@@ -219,6 +225,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     info = report["backend_info"]
     rows.insert(0, ["backend.surfaces", escape(", ".join(info["surfaces"]))])
     rows.insert(1, ["backend.capabilities", escape(", ".join(info["capabilities"]) or "—")])
+    if info.get("source"):
+        rows.insert(2, ["backend.source", escape(info["source"])])
     lines.extend(_table(["Key", "Value"], rows))
     lines.append("")
     lines.append("</details>")
