@@ -177,11 +177,10 @@ def to_bdd(batch, extra: dict | None = None):
     """An rlconform Batch as NeMo-RL's in-memory BatchedDataDict."""
     from rlconform.reference_impl.packed import PackedTensor
 
-    fam = batch.family_spec
     out = {}
     for name, v in batch.fields.items():
         if isinstance(v, PackedTensor):
-            out[name] = to_nemo_packed(v, fam.pack_dim(name) if fam else v.pack_dim)
+            out[name] = to_nemo_packed(v, v.pack_dim)
         else:
             out[name] = v
     out.update(extra or {})
@@ -215,9 +214,7 @@ def from_bdd(data, family: str | None, pack_dims: dict[str, int] | None = None,
 def _pack_dims(batch) -> dict[str, int]:
     from rlconform.reference_impl.packed import PackedTensor
 
-    fam = batch.family_spec
-    return {n: (fam.pack_dim(n) if fam else v.pack_dim) for n, v in batch.fields.items()
-            if isinstance(v, PackedTensor)}
+    return {n: v.pack_dim for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
 
 
 def _td(columns: dict, n: int):
