@@ -464,7 +464,7 @@ def _version() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     ver = getattr(nr.nemo_rl, "__version__", "?")
-    return f"NeMo-RL {ver}" + (f" at commit {commit}" if commit else "") + f" ({root})"
+    return f"NeMo-RL {ver}" + (f" at commit {commit}" if commit else "")
 
 
 NOTES = {
@@ -487,12 +487,14 @@ NOTES = {
 def backend() -> Backend:
     """The `nemo-rl` backend; raises ImportError saying what is missing when nemo_rl is not
     importable (`rlconform backends` and `--backend nemo-rl` print it)."""
-    nemo()
+    nr = nemo()
+    nr.check_sequence_dim()  # import it now, so the description says how
     return Backend(
         name="nemo-rl",
         description=f"{_version()}: NoOpDataPlaneClient transport, kv_first_write/materialize "
                     "codec, KVBatchMeta + shard_meta_for_dp meta, BatchedDataDict/PackedTensor "
-                    "batch ops with check_sequence_dim and the policy's per-stage fetch lists",
+                    "batch ops with check_sequence_dim and the policy's per-stage fetch lists "
+                    f"(check_sequence_dim: {nr.validator_import})",
         transport=NemoRLTransport,
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
