@@ -14,6 +14,7 @@ Load it with `-p rlconform.conformance.plugin` (`rlconform run` does). It
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import time
 from pathlib import Path
@@ -59,6 +60,11 @@ OPTIONS: list[tuple[str, dict]] = [
                        help="capabilities the backend must declare (besides the profile's); "
                             "a missing one fails the run")),
     ("--device", dict(default="cpu", help="device for trainer clauses: cpu or cuda")),
+    ("--model-size", dict(default=None, choices=["tiny", "production"],
+                          help="trainer and rollout models: tiny (~2 layers, hidden 64; CPU CI) "
+                               "or production (published widths of a real checkpoint per "
+                               "family, random weights, built on the device; families without "
+                               "one are deselected) (default: $RLCONFORM_MODEL_SIZE or tiny)")),
     ("--dtype", dict(default="float32", choices=["float32", "bfloat16"],
                      help="policy dtype (pixel fields, trainer)")),
     ("--seed", dict(type=int, default=0, help="seed for models and fixtures")),
@@ -164,6 +170,14 @@ _KEY = pytest.StashKey[RlconformState]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(*ids): ties a test to conformance clauses")
+    from rlconform.fixtures import sizes
+
+    if config.getoption("--model-size"):  # the workers inherit the environment
+        os.environ[sizes.SIZE_ENV] = config.getoption("--model-size")
+    try:
+        sizes.model_size()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from exc
     try:
         st = RlconformState(config)
     except (LookupError, TypeError, ValueError) as exc:
@@ -210,6 +224,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
+    _deselect_sizeless_families(config, items)
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if not ids:
@@ -232,6 +247,30 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
             _apply_replay(item, replay)
     if errors:
         raise pytest.UsageError("clause tests are misdeclared:\n  " + "\n  ".join(errors))
+
+
+MODEL_SURFACES = ("trainer", "rollout")
+
+
+def _deselect_sizeless_families(config: pytest.Config, items) -> None:
+    """At a model size a family lacks (production: the 7-8B families), its trainer and rollout
+    tests are deselected, never skipped or silently run at another size; the report's
+    provenance names the size and the models."""
+    from rlconform.fixtures.sizes import has_size, model_size
+
+    size = model_size()
+    dropped = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        family = callspec.params.get("family") if callspec else None
+        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        on_models = any(catalogue.BY_ID[i].surface in MODEL_SURFACES for i in ids
+                        if i in catalogue.BY_ID)
+        if isinstance(family, str) and on_models and not has_size(family, size):
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
 
 
 def _apply_replay(item, replay: str) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._common import (
+    EFFECT_HEADER,
     STATUS_EMOJI,
     STATUS_LABEL,
     flatten,
@@ -20,6 +21,8 @@ from ._common import (
     iter_metrics,
     kill_matrix_columns,
     metric_overview,
+    mutant_effect_caption,
+    mutant_effect_rows,
     not_tested_lines,
     sorted_clauses,
 )
@@ -199,6 +202,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if metric_rows:
         lines.append("### Metrics")
         lines.extend(_table(["Clause", "Metric", "Kind", "n", "min", "mean", "max"], metric_rows))
+        lines.append("")
+
+    effects = report.get("mutant_effects")
+    if effects and effects["rows"]:
+        lines.append("### Mutants' effect on the numeric metrics")
+        lines.append(escape(mutant_effect_caption(effects)))
+        lines.append("")
+        lines.extend(_table(EFFECT_HEADER, [[escape(x) for x in row]
+                                            for row in mutant_effect_rows(effects)]))
         lines.append("")
 
     km = report.get("kill_matrix")
