@@ -25,6 +25,7 @@ from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.codec import SEQ_LEN_TAG, ReferenceCodec, WireBatch, jagged
 from rlconform.reference_impl.dataplane import InMemoryDataPlane
 from rlconform.reference_impl.meta import BatchMeta
+from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import (
     FAMILIES,
@@ -334,6 +335,11 @@ class TestRegistry:
 # =====================================================================================
 # Batch
 # =====================================================================================
+def _seq(name: str, v: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Positions start..start+length of a per-token field, on its registered sequence dim."""
+    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+
+
 def _qwen() -> Batch:
     return build_batch("qwen2_vl", default_plan("qwen2_vl"), seed=3)
 
@@ -402,7 +408,7 @@ class TestBatch:
         t = b.truncate(3)
         t.validate()
         for name in b.names(Kind.PER_TOKEN):
-            assert torch.equal(t[name], b[name][:, :3])
+            assert torch.equal(t[name], _seq(name, b[name], 0, 3))
         assert t.seq_lens.tolist() == b.seq_lens.clamp(max=3).tolist()
         for name in b.names(Kind.PACKED):
             assert t[name] is b[name]  # media are never narrowed
@@ -417,9 +423,10 @@ class TestBatch:
         p = b.pad_to(s + 5)
         p.validate()
         for name in b.names(Kind.PER_TOKEN):
-            assert p[name].shape == (4, s + 5)
-            assert torch.equal(p[name][:, :s], b[name])
-            assert torch.count_nonzero(p[name][:, s:]) == 0
+            axis = spec(name).seq_axis(b[name].dim())
+            assert p[name].shape[axis] == s + 5 and p[name].shape[0] == 4
+            assert torch.equal(_seq(name, p[name], 0, s), b[name])
+            assert torch.count_nonzero(_seq(name, p[name], s, 5)) == 0
         for name in b.names(Kind.PACKED):
             assert p[name] is b[name]
         assert p.truncate(s) == b
@@ -574,10 +581,21 @@ def test_codec_cast_property(family, data):
         cast = (fs.kind is Kind.PACKED and fs.dtype_policy is DtypePolicy.POLICY
                 and name not in fam.keep_dtype and v.dtype is not None)
         want = v.to_dtype(torch.bfloat16) if cast else v
-        if isinstance(v, PackedTensor):
+        if isinstance(v, ObjectColumn):  # POLICY keys of the per-row dicts are cast too
+            want = ObjectColumn([None if r is None else {
+                k: _cast_value(x, spec(k).dtype_policy is DtypePolicy.POLICY
+                               and k not in fam.keep_dtype) for k, x in r.items()} for r in v])
+            assert want.first_difference(got) is None, (name, want.first_difference(got))
+        elif isinstance(v, PackedTensor):
             assert want.first_difference(got) is None, (name, want.first_difference(got))
         else:
             assert got.dtype == v.dtype and torch.equal(got, v), name
+
+
+def _cast_value(x, cast: bool):
+    if isinstance(x, list):
+        return [_cast_value(t, cast) for t in x]
+    return x.to(torch.bfloat16) if cast and x.is_floating_point() else x
 
 
 def _ragged(n: int) -> list[RowPlan]:

@@ -9,20 +9,31 @@ from hypothesis import strategies as st
 
 from rlconform.fixtures.strategies import batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
+from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
-from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields
+from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields, spec
 
 MEDIA = media_families()
 
 
 def _packed(batch):
-    return {n: v for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
+    """Media fields: packed, or per-row dict columns (verl / OpenRLHF form)."""
+    return {n: v for n, v in batch.fields.items() if isinstance(v, (PackedTensor, ObjectColumn))}
+
+
+def _seq(name, v, start, length):
+    """Positions start..start+length of per-token field `name` on its registered sequence dim."""
+    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+
+
+def _seq_size(name, v) -> int:
+    return int(v.shape[spec(name).seq_axis(v.dim())])
 
 
 def _assert_media_untouched(before, after, what: str):
     for name, v in _packed(before).items():
         got = after.fields.get(name)
-        assert isinstance(got, PackedTensor), f"{what}: {name!r} is gone or no longer packed"
+        assert type(got) is type(v), f"{what}: {name!r} is gone or no longer a {type(v).__name__}"
         why = v.first_difference(got)
         assert why is None, f"{what} changed packed field {name!r}: {why}"
         assert got.nbytes() == v.nbytes(), f"{what}: {name!r} bytes {got.nbytes()} != {v.nbytes()}"
@@ -36,9 +47,12 @@ def test_truncate(batch_ops, batch, data):
     out = batch_ops.truncate(batch, cut)
     _assert_media_untouched(batch, out, "truncate")
     for name in batch.names(Kind.PER_TOKEN):
-        got = out[name]
-        assert got.shape[1] == min(cut, s), f"per-token {name!r} not truncated to {cut}"
-        assert torch.equal(got, batch[name][:, :cut]), f"per-token {name!r} truncated wrongly"
+        got, want = out[name], batch[name]
+        assert _seq_size(name, got) == min(cut, s), \
+            f"per-token {name!r} {list(want.shape)} not truncated to {cut}: {list(got.shape)}"
+        assert got.shape == _seq(name, want, 0, min(cut, s)).shape and \
+            torch.equal(got, _seq(name, want, 0, min(cut, s))), \
+            f"per-token {name!r} {list(want.shape)} truncated wrongly"
     assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
 
 
@@ -63,10 +77,12 @@ def test_pad_excludes_media(batch_ops, batch, extra):
     _assert_media_untouched(batch, out, "pad_to")
     assert out.media_nbytes() == batch.media_nbytes(), "padding changed the media bytes"
     for name in batch.names(Kind.PER_TOKEN):
-        got = out[name]
-        assert got.shape[1] == target, f"per-token {name!r} padded to {got.shape[1]}, not {target}"
-        assert torch.equal(got[:, : batch.seq_len()], batch[name]), f"{name!r} values moved"
-        assert (got[:, batch.seq_len():] == FIELDS[name].pad_value).all(), f"{name!r} pad value"
+        got, s = out[name], batch.seq_len()
+        assert _seq_size(name, got) == target and got.dim() == batch[name].dim(), \
+            f"per-token {name!r} {list(batch[name].shape)} padded to {list(got.shape)}, not {target}"
+        assert torch.equal(_seq(name, got, 0, s), batch[name]), f"{name!r} values moved"
+        assert (_seq(name, got, s, target - s) == FIELDS[name].pad_value).all(), \
+            f"{name!r} pad value"
 
 
 @pytest.mark.clause("BATCH-VALIDATE")
