@@ -213,7 +213,8 @@ class Batch:
             want = _HOLDER[fs.kind]
             if not isinstance(v, want):
                 kind = fs.kind.value.replace("_", "-")
-                raise TypeError(f"{kind} field {name!r} must be a {want.__name__}, got "
+                article = "an" if want.__name__[0] in "AEIOU" else "a"
+                raise TypeError(f"{kind} field {name!r} must be {article} {want.__name__}, got "
                                 f"{type(v).__name__}")
             if fs.dtypes and v.dtype is not None and v.dtype not in fs.dtypes:
                 raise TypeError(

@@ -86,8 +86,8 @@ def row_difference(i: int, want: Row, got: Row) -> str | None:
     if want is None or got is None:
         if want is None and got is None:
             return None
-        return (f"row {i} is {'None' if got is None else repr(_keys(got))}, "
-                f"expected {'None' if want is None else repr(_keys(want))}")
+        return (f"row {i} is {'None' if got is None else _keys(got)}, "
+                f"expected {'None' if want is None else _keys(want)}")
     if not isinstance(got, dict):
         return f"row {i} is a {type(got).__name__}, expected a dict"
     if set(want) != set(got):
