@@ -269,6 +269,18 @@ _DATA_PLANE_CLAUSES = [
          "micro_batch_ignores_seed"),
         capabilities=("micro_batching",),
     ),
+    Clause(
+        "DP-OBJECT",
+        "a transport that stores object columns MUST return each row of an ObjectColumn "
+        "exactly (None vs {}, keys, list values, dtype, shape, bits) for any subset and order "
+        "of keys, never aliased with the caller's or a later fetch's rows.",
+        "transport",
+        "verl moves multi_modal_inputs as an object array of per-row dicts and OpenRLHF "
+        "mm_train_inputs as a list (BACKGROUND.md s8); a store holding them by reference lets "
+        "one stage's pop or in-place cast reach every later fetch",
+        ("transport_object_rows_aliased", "transport_object_none_as_empty"),
+        capabilities=("object_columns",),
+    ),
 ]
 
 
