@@ -4,6 +4,9 @@ This module imports nothing, so the noxfile can read the requirements before rlc
 installed (`nox -s conformance -- --backend NAME` installs them).
 """
 
+# a requirement with this prefix is installed with `pip install --no-deps`
+NO_DEPS = "--no-deps "
+
 BUNDLED = {
     "reference": ("rlconform.conformance.backends.reference:backend", ()),
     "transferqueue-simple": (
@@ -17,6 +20,10 @@ BUNDLED = {
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
     # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
     "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
+    # OpenRLHF's full dependency list pins deepspeed and flash-attn (GPU builds); its data path
+    # (ppo_utils.experience, utils.vlm_utils) needs only pylatexenc beyond rlconform's own
+    "openrlhf": ("rlconform.conformance.backends.openrlhf:backend",
+                 (NO_DEPS + "openrlhf==0.11.2", "pylatexenc")),
 }
 
 
