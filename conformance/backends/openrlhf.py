@@ -348,4 +348,5 @@ def backend() -> Backend:
         batch_ops=OpenRLHFBatchOps,
         capabilities=frozenset({"cpu", "bfloat16", "batch_algebra", "micro_batching"}),
         notes=dict(NOTES),
+        version=f"OpenRLHF {o.version}",
     )
