@@ -60,41 +60,45 @@ class Scoreboard:
 
 
 # -- reading ------------------------------------------------------------------------------------
-def report_paths(inputs: Iterable[str | Path]) -> list[Path]:
-    """The report files the inputs name: a file as given; a directory's `report.json` files at
-    any depth and its top-level `*.json` files. A missing input or a directory without one is
-    an error naming it."""
-    found: list[Path] = []
+def report_paths(inputs: Iterable[str | Path]) -> list[tuple[Path, bool]]:
+    """The report files the inputs name, each with whether it was named itself: a file as given;
+    a directory's `report.json` files at any depth and its top-level `*.json` files. A missing
+    input or a directory without one is an error naming it."""
+    found: list[tuple[Path, bool]] = []
     for raw in inputs:
         p = Path(raw)
         if p.is_file():
-            found.append(p)
+            found.append((p, True))
         elif p.is_dir():
             here = sorted(set(p.rglob("report.json")) | set(p.glob("*.json")))
             if not here:
                 raise ValueError(f"{p}: no report.json below it and no *.json in it")
-            found.extend(here)
+            found.extend((f, False) for f in here)
         else:
             raise ValueError(f"{p}: no such file or directory")
-    out, seen = [], set()
-    for f in found:
+    first: dict[Path, Path] = {}  # resolved -> as first given; named if any input names it
+    named_any: dict[Path, bool] = {}
+    for f, named in found:
         key = f.resolve()
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
-    return out
+        first.setdefault(key, f)
+        named_any[key] = named_any.get(key, False) or named
+    return [(f, named_any[key]) for key, f in first.items()]
 
 
 def load_entries(inputs: Iterable[str | Path]) -> list[Entry]:
     """Every report the inputs name, validated; two reports of one backend at one version are
-    an error naming both files (the scoreboard shows each backend version once)."""
+    an error naming both files (the scoreboard shows each backend version once). A mutant's
+    report (`rlconform mutants` writes them under reports/out/mutants/) found in a directory is
+    left out: mutants are the suite's own known-bad backends; name its file to show it."""
     entries: list[Entry] = []
     by_key: dict[tuple[str, str], Path] = {}
-    for path in report_paths(inputs):
+    for path, named in report_paths(inputs):
         try:
             report = load_report(path)
         except ReportValidationError as exc:
             raise ValueError(str(exc)) from exc
+        if not named and report["backend_info"].get("source", "").startswith("mutant:"):
+            continue
         entry = Entry(path, report)
         key = (entry.backend, entry.version)
         if key in by_key:

@@ -184,3 +184,13 @@ def test_committed_scoreboard_is_current():
     assert doc.read_text(encoding="utf-8") == sb.render_markdown(board, doc.parent), (
         "docs/scoreboard.md is stale: run `rlconform scoreboard docs/backend-reports "
         "--md docs/scoreboard.md`")
+
+
+def test_mutant_reports_in_a_folder_are_left_out_unless_named(tmp_path):
+    write(tmp_path / "reference", "report.json", report("reference"))
+    m = report("mutant:densify_uniform_rows")
+    m["backend_info"]["source"] = "mutant:densify_uniform_rows"
+    path = write(tmp_path / "mutants" / "mutant_densify_uniform_rows", "report.json", m)
+    assert [e.backend for e in sb.load_entries([tmp_path])] == ["reference"]
+    assert [e.backend for e in sb.load_entries([tmp_path, path])] == [
+        "reference", "mutant:densify_uniform_rows"]
