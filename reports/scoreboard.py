@@ -112,11 +112,12 @@ def load_entries(inputs: Iterable[str | Path]) -> list[Entry]:
 
 
 def build(entries: Sequence[Entry]) -> Scoreboard:
-    """Columns sorted by backend then version; rows in catalogue order, then clauses that only
-    a report knows (sorted)."""
+    """Columns: the reference first (the baseline), then by backend and version; rows in
+    catalogue order, then clauses that only a report knows (sorted)."""
     from rlconform.conformance.catalogue import CLAUSES
 
-    entries = sorted(entries, key=lambda e: (e.backend, e.version, str(e.path)))
+    entries = sorted(entries, key=lambda e: (e.backend != "reference", e.backend, e.version,
+                                             str(e.path)))
     seen: dict[str, Mapping[str, Any]] = {}
     for e in entries:
         for c in e.report["clauses"]:

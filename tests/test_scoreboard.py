@@ -128,9 +128,11 @@ def test_clause_rows_follow_the_catalogue_then_unknown_ids(tmp_path):
 def test_any_number_of_reports(tmp_path):
     for i in range(7):
         write(tmp_path / f"r{i}", "report.json", report(f"b{i}", f"v{i}"))
+    write(tmp_path / "ref", "report.json", report("reference"))
     board = sb.build(sb.load_entries([tmp_path]))
-    assert len(board.entries) == 7
-    assert len(row(sb.render_markdown(board), "DP-ROUNDTRIP")) == 2 + 7
+    assert [e.backend for e in board.entries] == ["reference"] + [f"b{i}" for i in range(7)], \
+        "the reference (the baseline) leads, then backends by name"
+    assert len(row(sb.render_markdown(board), "DP-ROUNDTRIP")) == 2 + 8
 
 
 def test_html_escapes_report_text():
