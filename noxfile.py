@@ -26,7 +26,10 @@ def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] =
     if not SYSTEM_TORCH:
         session.install(*CONSTRAINTS, "torch==2.13.0")
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install(*CONSTRAINTS, target, *backend_reqs)
+    session.install(*CONSTRAINTS, target, *[r for r in backend_reqs if " " not in r])
+    no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
+    if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
+        session.install(*CONSTRAINTS, "--no-deps", *no_deps)
 
 
 def _backend_requirements(posargs: list[str]) -> tuple[str, ...]:

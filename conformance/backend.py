@@ -61,6 +61,8 @@ class Backend:
     rollout: Callable[..., Any] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
     session: Callable[[], contextlib.AbstractContextManager] = _no_session
+    # surface -> why this backend does not declare it (shown in the report)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -72,6 +74,10 @@ class Backend:
             )
         if not self.surfaces:
             raise ValueError(f"backend {self.name!r} provides no surface; give one of {SURFACES}")
+        bad = sorted(s for s in self.notes if s not in SURFACES or self.provides(s))
+        if bad:
+            raise ValueError(f"backend {self.name!r} has notes for {bad}: notes say why a "
+                             f"surface of {SURFACES} is not declared")
 
     @property
     def surfaces(self) -> tuple[str, ...]:
@@ -86,6 +92,7 @@ class Backend:
             "description": self.description,
             "surfaces": list(self.surfaces),
             "capabilities": sorted(self.capabilities),
+            **({"notes": dict(self.notes)} if self.notes else {}),
         }
 
 

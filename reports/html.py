@@ -343,6 +343,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         ("backend.surfaces", ", ".join(info["surfaces"])),
         ("backend.capabilities", ", ".join(info["capabilities"]) or "—"),
     ]
+    provenance += [(f"backend.not_declared.{s}", why) for s, why in info.get("notes", {}).items()]
     provenance += [(k, fmt_num(v)) for k, v in flatten(report["provenance"])]
     surfaces = sorted({c["surface"] for c in clauses})
     context = {

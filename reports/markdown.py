@@ -131,6 +131,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(f"- {escape(p)}" for p in report["problems"])
         lines.append("")
 
+    notes = report["backend_info"].get("notes")
+    if notes:
+        lines.append("### Surfaces not declared")
+        lines.extend(f"- {_code(s)}: {escape(why)}" for s, why in notes.items())
+        lines.append("")
+
     waived = [c for c in sorted_clauses(report["clauses"]) if c.get("waiver")]
     if waived:
         lines.append("### Waivers")

@@ -4,6 +4,9 @@ This module imports nothing, so the noxfile can read the requirements before rlc
 installed (`nox -s conformance -- --backend NAME` installs them).
 """
 
+# a requirement with this prefix is installed with `pip install --no-deps`
+NO_DEPS = "--no-deps "
+
 BUNDLED = {
     "reference": ("rlconform.conformance.backends.reference:backend", ()),
     "transferqueue-simple": (
@@ -15,6 +18,12 @@ BUNDLED = {
         ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
     ),
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
+    # verl pins transformers<5.11 (its data path runs with ours) and GPU packages: --no-deps
+    "verl": (
+        "rlconform.conformance.backends.verl:backend",
+        (NO_DEPS + "verl==0.9.1", "tensordict==0.10.0", "TransferQueue==0.1.11", "ray",
+         "omegaconf", "numpy", "packaging"),
+    ),
 }
 
 
