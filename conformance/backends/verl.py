@@ -229,6 +229,11 @@ class VerlCodec:
                 continue
             fs = spec(key)
             if fs.kind is Kind.PER_TOKEN:
+                if not value.is_nested:  # what verl's readers need: they call .offsets()
+                    raise TypeError(
+                        f"per-token column {key!r} came back dense {list(value.shape)}, not "
+                        "jagged: verl's readers of the no-padding layout (rearrange_micro_batches, "
+                        "the engines' prepare_model_inputs, response_from_nested) call .offsets()")
                 rows = value.unbind(0)
                 seq = max(lens)
                 out = None
