@@ -60,7 +60,7 @@ def _device_info(device: str) -> dict:
 def provenance(st, config) -> dict:
     now = time.time()
     return {
-        "rlconform_version": _version("rlconform"),
+        "rlconform_version": _version("rlconform") or "not installed (source tree)",
         "git_commit": os.environ.get("RLCONFORM_GIT_COMMIT") or _git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),

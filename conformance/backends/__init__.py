@@ -24,6 +24,8 @@ BUNDLED = {
         (NO_DEPS + "verl==0.9.1", "tensordict==0.10.0", "TransferQueue==0.1.11", "ray",
          "omegaconf", "numpy", "packaging"),
     ),
+    # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
+    "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
 }
 
 
