@@ -99,7 +99,6 @@ def test_dataproto_algebra_keeps_media_dicts_with_their_rows():
     from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
     p = _proto(4)
-    media = p.non_tensor_batch[adapter.MEDIA]
 
     def rows(q):
         return [float(d["pixel_values"][0, 0]) if d else None
@@ -110,8 +109,18 @@ def test_dataproto_algebra_keeps_media_dicts_with_their_rows():
     assert rows(p.repeat(2, interleave=True)) == [0.0, 0.0, None, None, 2.0, 2.0, None, None]
     padded, pad = pad_dataproto_to_divisor(p, 3)
     assert (len(padded), pad) == (6, 2) and rows(unpad_dataproto(padded, pad)) == rows(p)
-    assert all(a is b for a, b in zip(media, p.select_idxs([0, 1, 2, 3]).non_tensor_batch[
-        adapter.MEDIA])), "select_idxs copies nothing: the media dicts are shared"
+    assert rows(padded)[4:] == rows(p)[:2], "padding repeats the first rows, media included"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="DataProto's algebra indexes numpy object arrays: a result's media "
+                   "dicts are the source's objects, so an in-place change reaches both batches")
+def test_dataproto_select_does_not_share_media_dicts():
+    p = _proto(4)
+    out = p.select_idxs([2, 0])
+    out.non_tensor_batch[adapter.MEDIA][0].pop("pixel_values")
+    assert "pixel_values" in p.non_tensor_batch[adapter.MEDIA][2], \
+        "popping a key from the selected row removed it from the source row"
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError,
@@ -178,6 +187,28 @@ def test_chunked_mrope_position_ids_report_their_shape():
     td, _ = _no_padding_td()
     part = chunk_tensordict(td, 2)[0]["position_ids"]
     assert part.shape[1] == 4, f"shape {part.shape}"
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="extract_multi_modal_inputs torch.cat()s a dict key's rows on dim 0: "
+                   "Idefics3/SmolVLM pixel_values [1, tiles, ...] with differing tile counts raise")
+def test_stage_inputs_of_dim1_media_with_differing_tiles():
+    from verl.utils.model import extract_multi_modal_inputs
+
+    got = extract_multi_modal_inputs([{"pixel_values": torch.ones(1, 2, 3, 4, 4)},
+                                      {"pixel_values": torch.ones(1, 3, 3, 4, 4)}])
+    assert got["pixel_values"].shape == (2, 3, 3, 4, 4)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="a per-token map kept in the media dict (Gemma3 token_type_ids, as the "
+                   "processor emits it) is torch.cat()ed on dim 0: rows of different lengths raise")
+def test_stage_inputs_carry_a_per_token_map_of_ragged_rows():
+    from verl.utils.model import extract_multi_modal_inputs
+
+    got = extract_multi_modal_inputs([{"token_type_ids": torch.ones(1, 5, dtype=torch.long)},
+                                      {"token_type_ids": torch.ones(1, 7, dtype=torch.long)}])
+    assert got["token_type_ids"].shape == (2, 7)
 
 
 def test_stage_inputs_concatenate_rows_in_order():

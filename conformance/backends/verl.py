@@ -32,8 +32,8 @@ from rlconform.conformance.backend import Backend
 
 MEDIA = "multi_modal_inputs"  # verl's non_tensor_batch key for per-sample media dicts
 SEQ_LEN = "seq_len"  # the tag key verl's driver reads a row's length from (agent_loop_tq)
-_SHAPES = "__rlconform_media__"  # codec tag: the packed fields a row dict came from, per segment
-CAPABILITIES = {"dp", "bfloat16", "cpu", "media_dedup", "dim1_packing"}
+CAPABILITIES = {"dp", "bfloat16", "cpu", "media_dedup", "dim1_packing", "batch_algebra",
+                "micro_batching"}
 NOTES = {
     "transport": "verl has no key/value store of its own: its data plane is TransferQueue "
     "(bundled as transferqueue-simple / transferqueue-mooncake)",
@@ -54,68 +54,61 @@ def _verl():
 
 
 # -- rlconform Batch <-> verl's containers -------------------------------------------------------
-def _kind(name: str):
-    from rlconform.reference_impl.registry import spec
-
-    return spec(name).kind
+_FORM = "rlconform_media_form"  # DataProto.meta_info / codec tag: how the Batch held its media
 
 
-def _media_rows(batch) -> tuple[list[dict], list[dict]]:
-    """Per-sample media dicts as verl holds them (row i: each packed field's row, its segments
-    concatenated on dim 0 as a processor emits one sample; `{}` for a text-only row), and per
-    row the segment shapes each dict value came from (for the codec's tags)."""
+def _media_form(batch) -> dict:
+    """Where the batch's media are: an object column (verl's multi_modal_inputs, OpenRLHF's
+    mm_train_inputs) or packed fields (with their pack dims), plus the family."""
+    from rlconform.reference_impl.packed import PackedTensor
+    from rlconform.reference_impl.registry import Kind
+
+    objects = batch.names(Kind.OBJECT)
+    packed = {n: v.pack_dim for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
+    if len(objects) > 1 or (objects and packed):
+        raise ValueError(f"verl holds a sample's media in one dict column; the batch has "
+                         f"object fields {objects} and packed fields {sorted(packed)}")
+    return {"object": objects[0] if objects else None, "packed": packed, "family": batch.family}
+
+
+def _media_rows(batch, form: dict) -> list | None:
+    """The rows of verl's `multi_modal_inputs`: the object column's own dicts (not copies: verl's
+    algebra then shows whether it shares them), or the packed fields as per-sample dicts
+    (`Batch.to_row_dicts`, the processor's per-sample form, `{}` for a text-only row)."""
+    if form["object"]:
+        return list(batch[form["object"]].rows)
+    if form["packed"]:
+        return list(batch.to_row_dicts(MEDIA)[MEDIA].rows)
+    return None
+
+
+def _object_column(rows):
+    """An ObjectColumn over verl's row objects as they are (the constructor would copy them)."""
+    from rlconform.reference_impl.objects import ObjectColumn, check_row
+
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        check_row(i, r, MEDIA)
+    col = ObjectColumn.__new__(ObjectColumn)
+    col.rows = rows
+    return col
+
+
+def _batch(fields: dict, rows, form: dict):
+    """A Batch from verl's tensors and media rows, in the form the source batch held them."""
+    from rlconform.reference_impl.batch import Batch
     from rlconform.reference_impl.packed import PackedTensor
 
-    packed = {n: v for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
-    rows, shapes = [], []
-    for i in range(batch.batch_size):
-        row, shp = {}, {}
-        for name, v in packed.items():
-            segs = v.row_segments(i)
-            shp[name] = None if segs is None else [list(s.shape) for s in segs]
-            if segs is not None:  # one tensor as a processor emits it, else a list per image
-                same = len({tuple(t.shape[1:]) for t in segs}) == 1
-                row[name] = (segs[0] if len(segs) == 1 else torch.cat(segs, dim=0) if same
-                             else list(segs))
-        rows.append(row)
-        shapes.append({"pack_dims": {n: v.pack_dim for n, v in packed.items()}, "shapes": shp})
-    return rows, shapes
-
-
-def _packed_from_rows(rows: Sequence[dict], records: Sequence[dict]) -> dict:
-    """Packed fields back from media dicts, split by the segment shapes recorded at encode."""
-    from rlconform.reference_impl.packed import PackedTensor
-
-    if not records:
-        return {}
-    out = {}
-    for name, pack_dim in records[0]["pack_dims"].items():
-        per_row = []
-        for i, (row, rec) in enumerate(zip(rows, records)):
-            shapes = rec["shapes"].get(name)
-            if shapes is None:
-                if row is not None and name in row:
-                    raise ValueError(f"media dict of row {i} holds {name!r} but the row had none")
-                per_row.append(None)
-                continue
-            if row is None or name not in row:
-                raise ValueError(f"media dict of row {i} lost {name!r} (it had {len(shapes)} "
-                                 "segments)")
-            value = row[name]
-            if isinstance(value, list):
-                if [list(t.shape) for t in value] != shapes:
-                    raise ValueError(f"media dict of row {i}: {name!r} segment shapes "
-                                     f"{[list(t.shape) for t in value]}, they were {shapes}")
-                per_row.append(list(value))
-                continue
-            sizes = [s[0] for s in shapes]
-            if sum(sizes) != value.shape[0] or any(list(value.shape[1:]) != s[1:]
-                                                   for s in shapes):
-                raise ValueError(f"media dict of row {i}: {name!r} has shape "
-                                 f"{list(value.shape)}, its segments were {shapes}")
-            per_row.append(list(value.split(sizes, dim=0)))
-        out[name] = PackedTensor.from_rows(per_row, pack_dim=pack_dim)
-    return out
+    family = form["family"]
+    if rows is None:
+        return Batch(fields, family)
+    if form["object"]:
+        return Batch({**fields, form["object"]: _object_column(rows)}, family)
+    out = Batch({**fields, MEDIA: _object_column(rows)}, family).from_row_dicts(MEDIA)
+    n = len(rows)
+    missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)  # fields with no media in
+               for name, pd in form["packed"].items() if name not in out.fields}  # any row
+    return out.replace(**missing) if missing else out
 
 
 def to_proto(batch):
@@ -123,17 +116,23 @@ def to_proto(batch):
     import numpy as np
     from verl.protocol import DataProto
 
-    from rlconform.reference_impl.packed import PackedTensor
-
-    tensors = {n: v for n, v in batch.fields.items() if not isinstance(v, PackedTensor)}
+    form = _media_form(batch)
+    tensors = {n: v for n, v in batch.fields.items() if isinstance(v, torch.Tensor)}
+    rows = _media_rows(batch, form)
     non_tensors = {}
-    if len(tensors) != len(batch.fields):
-        rows, _ = _media_rows(batch)
-        media = np.empty(len(rows), dtype=object)  # not np.array(rows): that may build 2-D
+    if rows is not None:
+        media = np.empty(len(rows), dtype=object)  # np.array(rows) may build a 2-D array
         media[:] = rows
         non_tensors[MEDIA] = media
-    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors,
-                               meta_info={"family": batch.family})
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={_FORM: form})
+
+
+def from_proto(proto):
+    """The Batch a DataProto made by `to_proto` (and verl's operations on it) holds."""
+    form = proto.meta_info[_FORM]
+    fields = dict(proto.batch.items()) if proto.batch is not None else {}
+    media = proto.non_tensor_batch.get(MEDIA)
+    return _batch(fields, None if media is None else list(media), form)
 
 
 def _media_list(proto) -> list:
@@ -146,10 +145,11 @@ class VerlCodec:
     """encode: one dict per sample as verl's TransferQueue agent loop builds it, then
     `list_of_dict_to_tensordict`; decode: `tensordict_utils.get` per key.
 
-    A per-token field travels cut at the row's length (`input_ids[i, :len_i]`); the media dict of
-    a row travels as the row's value of `multi_modal_inputs` (a NonTensorStack). Tags carry each
-    row's `seq_len`, the family and the segment shapes the media dict values were built from.
-    verl has no pixel dtype policy on its rollout write: `pixel_dtype` is accepted and ignored.
+    A per-token field travels cut at the row's length on its sequence dim (`input_ids[i, :n]`,
+    `position_ids[i, :, :n]`, as `agent_loop_tq` writes them); the media dict of a row travels
+    as the row's value of `multi_modal_inputs` (a NonTensorStack). Tags carry each row's
+    `seq_len`, the family and how the batch held its media. verl has no pixel dtype policy on
+    its rollout write: `pixel_dtype` is accepted and ignored.
     """
 
     name = "verl"
@@ -162,33 +162,33 @@ class VerlCodec:
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
         from rlconform.reference_impl.codec import FAMILY_TAG, SEQ_LEN_TAG, WireBatch
-        from rlconform.reference_impl.registry import Kind
+        from rlconform.reference_impl.registry import Kind, spec
 
         if batch.batch_size == 0:
             raise ValueError(f"cannot encode an empty batch (fields {sorted(batch.fields)})")
         batch.validate()
         lens = batch.seq_lens.tolist()
-        media, records = _media_rows(batch)
+        form = _media_form(batch)
+        media = _media_rows(batch, form)
         samples = []
         for i, n in enumerate(lens):
             sample = {}
             for name, v in batch.fields.items():
-                kind = _kind(name)
+                kind = spec(name).kind
                 if kind is Kind.PER_TOKEN:
-                    sample[name] = v[i, :n]
-                elif kind is not Kind.PACKED:
+                    row = v[i]
+                    sample[name] = row.narrow(spec(name).seq_axis(v.dim()) - 1, 0, n)
+                elif kind is Kind.PER_SAMPLE:
                     sample[name] = v[i]
-            if len(records[i]["shapes"]):
+            if media is not None:
                 sample[MEDIA] = media[i]
             samples.append(sample)
         td = list_of_dict_to_tensordict(samples)
         tags = []
-        for i, n in enumerate(lens):
-            tag = {SEQ_LEN_TAG: int(n)}
+        for n in lens:
+            tag = {SEQ_LEN_TAG: int(n), _FORM: form}
             if batch.family:
                 tag[FAMILY_TAG] = batch.family
-            if len(records[i]["shapes"]):
-                tag[_SHAPES] = records[i]
             tags.append(tag)
         return WireBatch({k: td.get(k) for k in td.keys()}, tags)
 
@@ -196,8 +196,7 @@ class VerlCodec:
         from tensordict import TensorDict
         from verl.utils import tensordict_utils as tu
 
-        from rlconform.reference_impl.batch import Batch
-        from rlconform.reference_impl.codec import FAMILY_TAG, SEQ_LEN_TAG
+        from rlconform.reference_impl.codec import SEQ_LEN_TAG
         from rlconform.reference_impl.registry import FAMILIES, Kind, spec
 
         b = len(wire.tags)
@@ -206,45 +205,27 @@ class VerlCodec:
         for name, col in wire.columns.items():
             if len(col) != b:
                 raise ValueError(f"wire column {name!r} has {len(col)} rows but there are {b} tags")
-        td = TensorDict(dict(wire.columns), batch_size=[b])
-        families = {t.get(FAMILY_TAG) for t in wire.tags}
-        if len(families) > 1:
-            raise ValueError(f"wire tags mix families {sorted(map(str, families))}")
-        family = families.pop()
-        if family is not None and family not in FAMILIES:
-            raise KeyError(f"wire tag 'family' names unknown family {family!r}")
-        lens = []
         for i, t in enumerate(wire.tags):
-            if SEQ_LEN_TAG not in t:
-                raise KeyError(f"row {i}'s tag lacks {SEQ_LEN_TAG!r}")
-            lens.append(int(t[SEQ_LEN_TAG]))
-        fields = {}
+            for key in (SEQ_LEN_TAG, _FORM):
+                if key not in t:
+                    raise KeyError(f"row {i}'s tag lacks {key!r}: tags must travel 1:1 with rows")
+        forms = [t[_FORM] for t in wire.tags]
+        if any(f != forms[0] for f in forms):
+            raise ValueError("wire tags disagree on the batch's media form or family")
+        form = forms[0]
+        if form["family"] is not None and form["family"] not in FAMILIES:
+            raise KeyError(f"wire tags name unknown family {form['family']!r}")
+        lens = [int(t[SEQ_LEN_TAG]) for t in wire.tags]
+        td = TensorDict(dict(wire.columns), batch_size=[b])
+        fields, media = {}, None
         for key in td.keys():
             value = tu.get(td, key)
             if key == MEDIA:
-                records = [t.get(_SHAPES) for t in wire.tags]
-                if any(r is None for r in records):
-                    raise KeyError(f"a row's tag lacks {_SHAPES!r}: tags must travel 1:1 with rows")
-                fields.update(_packed_from_rows(value, records))
+                media = value
                 continue
             fs = spec(key)
             if fs.kind is Kind.PER_TOKEN:
-                if not value.is_nested:  # what verl's readers need: they call .offsets()
-                    raise TypeError(
-                        f"per-token column {key!r} came back dense {list(value.shape)}, not "
-                        "jagged: verl's readers of the no-padding layout (rearrange_micro_batches, "
-                        "the engines' prepare_model_inputs, response_from_nested) call .offsets()")
-                rows = value.unbind(0)
-                seq = max(lens)
-                out = None
-                for i, (r, n) in enumerate(zip(rows, lens)):
-                    if r.shape[0] != n:
-                        raise ValueError(f"per-token column {key!r} row {i} has {r.shape[0]} "
-                                         f"tokens, its tag says seq_len {n}")
-                    if out is None:
-                        out = torch.full((b, seq, *r.shape[1:]), fs.pad_value, dtype=r.dtype)
-                    out[i, :n] = r
-                fields[key] = out
+                fields[key] = self._per_token(key, value, lens, fs)
             else:
                 if value.is_nested:
                     raise TypeError(f"per-sample column {key!r} came back jagged")
@@ -252,9 +233,33 @@ class VerlCodec:
         got = fields["input_lengths"].tolist() if "input_lengths" in fields else None
         if got != lens:
             raise ValueError(f"tags' seq_len {lens} disagree with 'input_lengths' {got}")
-        batch = Batch(fields, family)
+        if (media is None) != (form["object"] is None and not form["packed"]):
+            raise KeyError(f"the wire batch {'lacks' if media is None else 'has'} the "
+                           f"{MEDIA!r} column its tags say it {'has' if media is None else 'lacks'}")
+        batch = _batch(fields, media, form)
         batch.validate()
         return batch
+
+    @staticmethod
+    def _per_token(key, value, lens, fs):
+        if not value.is_nested:  # what verl's readers need: they call .offsets()
+            raise TypeError(
+                f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
+                "verl's readers of the no-padding layout (rearrange_micro_batches, the engines' "
+                "prepare_model_inputs, response_from_nested) call .offsets()")
+        rows = value.unbind(0)
+        out = None
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            axis = fs.seq_axis(r.dim() + 1) - 1
+            if r.shape[axis] != n:
+                raise ValueError(f"per-token column {key!r} row {i} has {r.shape[axis]} tokens, "
+                                 f"its tag says seq_len {n}")
+            if out is None:
+                shape = list(r.shape)
+                shape[axis] = max(lens)
+                out = torch.full((len(rows), *shape), fs.pad_value, dtype=r.dtype)
+            out[i].narrow(axis, 0, n).copy_(r)
+        return out
 
 
 # -- meta: the driver's KVBatchMeta and verl's dispatch/collect ------------------------------------
@@ -415,7 +420,8 @@ class VerlBatchMeta:
 
 # -- batch operations ------------------------------------------------------------------------------
 class VerlBatchOps:
-    """batch_ops on verl's DataProto: validate, pad, per-stage model inputs."""
+    """batch_ops on verl's DataProto: validate, pad, per-stage model inputs, the batch algebra
+    and dynamic micro-batching."""
 
     name = "verl"
 
@@ -429,18 +435,18 @@ class VerlBatchOps:
             "(workers/utils/padding.py) never cuts a batch to a length")
 
     def pad_to(self, batch, seq_len: int):
-        """`pad_sequence_to_length` (right) on every per-token tensor of the DataProto; media
-        stay in non_tensor_batch, where verl keeps them."""
+        """`torch_functional.pad_sequence_to_length` (right, last dim: the sequence dim of every
+        registered per-token field) on each per-token tensor of the DataProto."""
         from verl.utils.torch_functional import pad_sequence_to_length
 
         from rlconform.reference_impl.registry import FIELDS, Kind
 
         proto = to_proto(batch)
-        out = dict(batch.fields)
         for name in batch.names(Kind.PER_TOKEN):
-            out[name] = pad_sequence_to_length(proto.batch[name], max_seq_len=seq_len,
-                                               pad_token_id=FIELDS[name].pad_value, left_pad=False)
-        return batch.replace(**out)
+            proto.batch[name] = pad_sequence_to_length(proto.batch[name], max_seq_len=seq_len,
+                                                       pad_token_id=FIELDS[name].pad_value,
+                                                       left_pad=False)
+        return from_proto(proto)
 
     def validate(self, batch) -> None:
         """verl's own checks: `DataProto.from_dict` (every tensor has the batch's dim 0) and
@@ -448,11 +454,47 @@ class VerlBatchOps:
         to_proto(batch).check_consistency()
 
     def multimodal_inputs(self, batch, stage, dtype: torch.dtype | None = None) -> dict:
-        """verl's engines build every stage's media inputs alike:
-        `extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", []))`."""
+        """verl's engines build every stage's media inputs alike, in the model's dtype only
+        inside the model: `extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs",
+        []))`."""
         from verl.utils.model import extract_multi_modal_inputs
 
         return extract_multi_modal_inputs(_media_list(to_proto(batch)))
+
+    # batch_algebra
+    def select(self, batch, indices):
+        return from_proto(to_proto(batch).select_idxs(list(indices)))
+
+    def concat(self, batches):
+        from verl.protocol import DataProto
+
+        return from_proto(DataProto.concat([to_proto(b) for b in batches]))
+
+    def split(self, batch, sizes):
+        """Consecutive `DataProto` slices (`DataProto.split(n)` is the equal-size case)."""
+        sizes = [int(n) for n in sizes]
+        if any(n < 0 for n in sizes) or sum(sizes) != len(batch):
+            raise ValueError(f"split sizes {sizes} must be >= 0 and sum to {len(batch)}")
+        proto, out, start = to_proto(batch), [], 0
+        for n in sizes:
+            out.append(from_proto(proto[start:start + n]))
+            start += n
+        return out
+
+    # micro_batching
+    def micro_batches(self, batch, n: int, shuffle_seed: int | None = None):
+        """verl's dynamic micro-batching, `seqlen_balancing.prepare_dynamic_batch` (its
+        `rearrange_micro_batches` with `min_num_micro_batch=n` and a token budget that needs no
+        more): n micro-batches balanced by workload, each with the rows it holds. It has no
+        shuffle (verl shuffles mini-batches in `make_iterator`): `shuffle_seed` is ignored."""
+        from verl.utils.seqlen_balancing import prepare_dynamic_batch
+
+        if not 1 <= n <= max(len(batch), 1):
+            raise ValueError(f"micro-batch count n={n} must be in 1..{len(batch)}")
+        budget = max(int(batch.seq_lens.sum()), int(batch.seq_lens.max()), 1)
+        micro, index = prepare_dynamic_batch(to_proto(batch), max_token_len=budget,
+                                             min_num_micro_batch=n)
+        return [(list(idx), from_proto(mb)) for idx, mb in zip(index, micro)]
 
 
 # -- the backend ---------------------------------------------------------------------------------
