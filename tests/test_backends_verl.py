@@ -219,6 +219,23 @@ def test_stage_inputs_concatenate_rows_in_order():
     assert got["image_grid_thw"][:, 2].tolist() == [2, 6, 10]
 
 
+# -- the adapter's batch_ops on DataProto (what its waived clauses still check) ---------------------
+@pytest.mark.parametrize("form", ["packed", "multi_modal_inputs"])
+def test_batch_ops_algebra_and_micro_batches_keep_rows(form):
+    ops = adapter.VerlBatchOps()
+    batch = build_batch("qwen2_5_vl", default_plan("qwen2_5_vl") * 2, media_form=form)
+    assert batch["position_ids"].dim() == 3, "the fixture carries M-RoPE position_ids"
+    for idx in ([7, 0, 2, 2, 5], []):
+        assert batch.select(idx).first_difference(ops.select(batch, idx)) is None
+    parts = ops.split(batch, [3, 0, 5])
+    assert [len(p) for p in parts] == [3, 0, 5]
+    assert batch.first_difference(ops.concat([parts[0], parts[2]])) is None
+    micro = ops.micro_batches(batch, 3)
+    assert sorted(i for idx, _ in micro for i in idx) == list(range(8)) and len(micro) == 3
+    for idx, mb in micro:
+        assert batch.select(idx).first_difference(mb) is None, f"micro-batch {idx}"
+
+
 # -- meta: dispatch and collect through TransferQueue ----------------------------------------------
 @pytest.fixture(scope="module")
 def tq_session():

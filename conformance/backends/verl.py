@@ -1,18 +1,21 @@
 """verl 0.9.1's data path as an rlconform backend: its own functions, wrapped, never re-implemented.
 
-rlconform's fields map straight onto verl's containers: per-token and per-sample fields are the
-tensors of `DataProto.batch` (a TensorDict), media are verl's per-sample dicts in
-`non_tensor_batch["multi_modal_inputs"]` (an object array, `{}` for a text-only row).
+rlconform's fields map straight onto verl's containers: per-token fields (`position_ids`
+`[B, S]` or M-RoPE `[B, 3|4, S]` included) and per-sample fields are the tensors of
+`DataProto.batch`; media are verl's per-sample dicts in `non_tensor_batch["multi_modal_inputs"]`
+(an object array, `{}` for a text-only row). An object column of the batch (`multi_modal_inputs`,
+or OpenRLHF's `mm_train_inputs` with None rows) is that array, row objects as they are; packed
+fields become those dicts through `Batch.to_row_dicts` and come back through `from_row_dicts`.
 
 | surface | verl 0.9.1 |
 |---|---|
-| codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` |
+| codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length on their sequence dim, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
 | meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is `_balance_batch` (`seqlen_balancing.calculate_workload`, `get_seqlen_balanced_partitions(equal_size=True)`, `KVBatchMeta.reorder`) then verl's dispatch `BatchData(meta).chunk(world)`, which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`BatchData(list).concat()`) |
-| batch_ops | `DataProto.from_dict` + `check_consistency` (validate), `torch_functional.pad_sequence_to_length` on each per-token tensor (pad), `utils.model.extract_multi_modal_inputs` over the media dicts (every stage's inputs, as verl's FSDP, Megatron and TorchTitan engines call it) |
+| batch_ops | validate: `DataProto.from_dict` + `check_consistency`; pad_to: `torch_functional.pad_sequence_to_length` on each per-token tensor; multimodal_inputs: `utils.model.extract_multi_modal_inputs` over the media dicts (every stage, as verl's FSDP, Megatron and TorchTitan engines call it); select: `DataProto.select_idxs`; concat: `DataProto.concat`; split: `DataProto` slices; micro_batches: `seqlen_balancing.prepare_dynamic_batch` (`rearrange_micro_batches`) |
 
-Not declared: transport (verl has none of its own; it uses TransferQueue, a bundled backend
-already), trainer and rollout (verl's engines and rollout need GPUs and vLLM/SGLang). verl has
-no batch truncation: `truncate` raises (BATCH-TRUNCATE is waived as unsupported).
+Not declared (Backend.notes): transport (verl's data plane is TransferQueue, bundled already),
+trainer and rollout (verl's engines and rollout need GPUs and vLLM/SGLang). verl has no batch
+truncation: `truncate` raises (BATCH-TRUNCATE is waived as unsupported).
 
 The meta surface runs verl's TransferQueue path for real: the session starts Ray and a
 TransferQueue controller with one SimpleStorage unit (as the transferqueue-simple backend does),
