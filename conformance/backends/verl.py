@@ -354,9 +354,10 @@ class VerlBatchMeta:
 
         if not metas:
             raise ValueError("concat needs at least one meta")
+        cls = type(metas[0])
         if all(m._rank is not None for m in metas):  # rank shards: verl's collect
-            return VerlBatchMeta._wrap(BatchData([m._rank for m in metas]).concat())
-        return VerlBatchMeta._wrap(BatchData([m._kv for m in metas]).concat())
+            return cls._wrap(BatchData([m._rank for m in metas]).concat())
+        return cls._wrap(BatchData([m._kv for m in metas]).concat())
 
     def _rebuild(self, fields=None, tags=None) -> VerlBatchMeta:
         from transfer_queue import KVBatchMeta
