@@ -18,6 +18,12 @@ BUNDLED = {
         ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
     ),
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
+    # verl pins transformers<5.11 (its data path runs with ours) and GPU packages: --no-deps
+    "verl": (
+        "rlconform.conformance.backends.verl:backend",
+        (NO_DEPS + "verl==0.9.1", "tensordict==0.10.0", "TransferQueue==0.1.11", "ray",
+         "omegaconf", "numpy", "packaging"),
+    ),
     # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
     "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
     # OpenRLHF's full dependency list pins deepspeed and flash-attn (GPU builds); its data path
