@@ -45,14 +45,12 @@ import torch
 
 from rlconform.conformance.backend import Backend
 
-VERSION = "0.11.2"
 MEDIA = "mm_train_inputs"  # Experience's per-sample media list
 ROW = "__rlconform_row__"  # info key: the original row index (micro_batches)
 STEP = {"input_ids": "sequences", "attention_mask": "attention_mask",
         "token_mask": "action_mask", "generation_logprobs": "rollout_log_probs",
         "prev_logprobs": "action_log_probs", "reference_logprobs": "base_action_log_probs"}
 EPISODE = {"input_lengths": "total_length", "rewards": "rewards"}
-REQUIREMENTS = ("--no-deps openrlhf==0.11.2", "pylatexenc")
 MISSING = ("openrlhf: cannot import OpenRLHF's data path: `pip install --no-deps "
            "openrlhf==0.11.2 pylatexenc` (its full dependency list pins deepspeed and flash-attn; "
            "nox -s conformance -- --backend openrlhf installs it)")
