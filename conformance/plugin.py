@@ -60,11 +60,13 @@ OPTIONS: list[tuple[str, dict]] = [
                        help="capabilities the backend must declare (besides the profile's); "
                             "a missing one fails the run")),
     ("--device", dict(default="cpu", help="device for trainer clauses: cpu or cuda")),
-    ("--model-size", dict(default=None, choices=["tiny", "production"],
+    ("--model-size", dict(default=None, choices=["tiny", "production", "tiny-head32"],
                           help="trainer and rollout models: tiny (~2 layers, hidden 64; CPU CI) "
                                "or production (published widths of a real checkpoint per "
                                "family, random weights, built on the device; families without "
-                               "one are deselected) (default: $RLCONFORM_MODEL_SIZE or tiny)")),
+                               "one are deselected), or tiny-head32 (tiny with 32-wide attention heads, "
+                               "for engines without head_dim 16: vLLM on CPU) (default: "
+                               "$RLCONFORM_MODEL_SIZE or tiny)")),
     ("--dtype", dict(default="float32", choices=["float32", "bfloat16"],
                      help="policy dtype (pixel fields, trainer)")),
     ("--seed", dict(type=int, default=0, help="seed for models and fixtures")),
