@@ -252,8 +252,10 @@ TRAINER_CLAUSES: list[Clause] = [
     ),
     Clause(
         "GEN-ORDINARY-TOKENS",
-        "The rollout MUST sample only ordinary tokens and give generation_logprobs exactly on "
-        "the completion tokens (token_mask), zero on prompt and padding.",
+        "The rollout MUST sample only ordinary tokens (an end-of-turn token only as a "
+        "completion's last token), stop within each row's cap (0: an empty completion) and "
+        "give generation_logprobs exactly on the completion tokens (token_mask), zero on "
+        "prompt and padding.",
         "rollout",
         "BACKGROUND.md s7: a random tiny model samples special tokens, including the image "
         "placeholder, which then breaks the recompute",

@@ -59,6 +59,16 @@ def _rewards(n: int) -> torch.Tensor:
 class Rollouts:
     """Reference-rollout batches, cached per (family, pattern, groups, group size)."""
 
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, device: str, dtype: torch.dtype, seed: int) -> Rollouts:
+        """One cache per process for every trainer clause module."""
+        key = (device, dtype, seed)
+        if key not in cls._shared:
+            cls._shared[key] = cls(device, dtype, seed)
+        return cls._shared[key]
+
     def __init__(self, device: str, dtype: torch.dtype, seed: int):
         self.device, self.dtype, self.seed = device, dtype, seed
         self._engines: dict = {}
@@ -96,7 +106,7 @@ def rollouts(device, dtype, seed):
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
-    yield Rollouts(device, dtype, seed)
+    yield Rollouts.shared(device, dtype, seed)
     torch.set_num_threads(threads)
 
 

@@ -53,7 +53,7 @@ def rollouts(device, dtype, seed):
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
-    yield Rollouts(device, dtype, seed)
+    yield Rollouts.shared(device, dtype, seed)
     torch.set_num_threads(threads)
 
 
