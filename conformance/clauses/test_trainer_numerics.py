@@ -69,9 +69,10 @@ class GradCapture:
             for n, p in model.named_parameters() if p.requires_grad]
 
     def remove(self) -> dict[str, Tensor]:
+        """The gradients, on the CPU in their own dtype (compared tensor by tensor)."""
         for h in self._hooks:
             h.remove()
-        return {k: v.double().cpu() for k, v in self._last.items()}
+        return {k: v.cpu() for k, v in self._last.items()}
 
 
 @dataclass
@@ -142,9 +143,9 @@ class ShiftPrev:
 
 @dataclass
 class Step:
-    out: object
+    out: object  # the driver's StepOutcome: loss, grad norm, metrics, updated state_dict
     grads: dict[str, Tensor]
-    initial: dict[str, Tensor]
+    initial: dict[str, Tensor] | None  # the trainer's weights before the step (when kept)
     prev: dict[int, Tensor]  # batch row -> the prev_logprobs row the trainer put
     logits: list[LogitRecord]
     normalizer: int
@@ -152,21 +153,34 @@ class Step:
 
 
 def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
-          shift: bool = False, logits: bool = False, model_copy=None) -> Step:
+          shift: bool = False, logits: bool = False, model_copy=None,
+          initial: dict[str, Tensor] | None = None) -> Step:
+    """One driver step through the backend's trainer, watched. Keeps the initial weights
+    (CPU, own dtype) unless `initial` is given, which they must then equal: one copy serves
+    every split of a step, so only one trainer's worth of tensors is alive at a time."""
     uid = f"n{uuid.uuid4().hex[:6]}"
     keys = mint_keys(len(batch), GROUP, uid)
     rec = RecordingTransport(transport)
     inner = ShiftPrev(rec, batch, keys) if shift else rec
     trainer = backend.trainer(settings, inner, codec)
-    initial = {k: v.detach().double().cpu().clone() for k, v in trainer.state_dict().items()}
+    start = trainer.state_dict()
+    if initial is not None:
+        differ = [k for k in initial if k not in start or not torch.equal(start[k].cpu(),
+                                                                          initial[k])]
+        assert not differ, f"the trainer starts from other weights than the first split's: " \
+            f"{differ[:3]}"
+        kept = None
+    else:
+        kept = {k: v.detach().cpu().clone() for k, v in start.items()}
     if model_copy is not None:
-        model_copy.load_state_dict(trainer.state_dict())
+        model_copy.load_state_dict(start)
+    del start
     grads = GradCapture(trainer.model)
     cap = LogitCapture(trainer.model) if logits else None
     try:
         out = dataplane_step(batch, trainer, inner, codec, meta_cls,
-                             f"num-{uuid.uuid4().hex[:8]}", uid=uid, world=world, group_size=GROUP,
-                             advantages=torch.tensor(ADVANTAGES[:len(batch)]))
+                             f"num-{uuid.uuid4().hex[:8]}", uid=uid, world=world,
+                             group_size=GROUP, advantages=torch.tensor(ADVANTAGES[:len(batch)]))
     finally:
         grad = grads.remove()
         if cap is not None:
@@ -178,13 +192,26 @@ def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
             prev[row[k]] = r.detach().cpu()
     assert grad, "no gradient was accumulated into the parameters of trainer.model"
     impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
-    return Step(out, grad, initial, prev, cap.records if cap else [],
+    return Step(out, grad, kept, prev, cap.records if cap else [],
                 int(batch["token_mask"].sum()), impl == "eager")
 
 
+def _sq(t: Tensor) -> float:
+    return float(t.double().pow(2).sum())
+
+
 def _rel_l2(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
-    num = math.sqrt(sum(float((got[k] - want[k]).pow(2).sum()) for k in want))
-    den = math.sqrt(sum(float(want[k].pow(2).sum()) for k in want))
+    """||got - want|| / ||want|| over every tensor (float64, one tensor at a time)."""
+    num = math.sqrt(sum(_sq(got[k].double() - want[k].double()) for k in want))
+    den = math.sqrt(sum(_sq(want[k]) for k in want))
+    return num / den if den else (0.0 if num == 0 else math.inf)
+
+
+def _update_rel_l2(after: dict[str, Tensor], base_after: dict[str, Tensor],
+                   initial: dict[str, Tensor]) -> float:
+    """Relative L2 difference of two updates (W_after - W_initial) from the same weights."""
+    num = math.sqrt(sum(_sq(after[k].double() - base_after[k].double()) for k in initial))
+    den = math.sqrt(sum(_sq(base_after[k].double() - initial[k].double()) for k in initial))
     return num / den if den else (0.0 if num == 0 else math.inf)
 
 
@@ -198,10 +225,10 @@ def _grad_problems(got: dict[str, Tensor], want: dict[str, Tensor], tol: float) 
     total = _rel_l2(got, want)
     if not total <= tol:
         bad.append(f"gradient relative L2 difference {total:.3g} > {tol:g}")
-    norm = math.sqrt(sum(float(w.pow(2).sum()) for w in want.values()))
+    norm = math.sqrt(sum(_sq(w) for w in want.values()))
     floor = norm / math.sqrt(len(want))
-    worst = sorted(((float((got[k] - w).norm()) / max(float(w.norm()), floor), k)
-                    for k, w in want.items()), reverse=True)
+    worst = sorted((math.sqrt(_sq(got[k].double() - w.double())) / max(math.sqrt(_sq(w)), floor),
+                    k) for k, w in want.items())[::-1]
     if worst and not worst[0][0] <= tol:
         bad.append("per-parameter gradients differ: " + ", ".join(
             f"{k} {d:.3g}" for d, k in worst[:3] if d > tol))
@@ -233,12 +260,9 @@ def test_step_is_invariant_to_micro_batches_and_shards(backend, transport, codec
     assert len(set(counts)) > 2 and 0 in counts, \
         f"test setup: rows must differ in loss tokens, one with none: {counts}"
     splits = _splits(n, int(batch.seq_lens.max()))
-    runs = {}
-    for name, (world, kw) in splits.items():
-        runs[name] = _step(backend, transport, codec, meta_cls, rollouts.settings(family, **kw),
-                           batch, world=world)
-    base_name = next(iter(splits))
-    base = runs[base_name]
+    (base_name, (world, kw)), *others = splits.items()
+    base = _step(backend, transport, codec, meta_cls, rollouts.settings(family, **kw), batch,
+                 world=world)
     assert base.out.grad_norm > 0, "test setup: zero gradient makes the comparison vacuous"
     # at ratio 1 each token's loss is -A: the loss's absolute mass is known without the trainer
     l1 = sum(abs(a) * c for a, c in zip(ADVANTAGES, counts)) / base.normalizer
@@ -249,17 +273,15 @@ def test_step_is_invariant_to_micro_batches_and_shards(backend, transport, codec
     # differ at a few image positions of two-image rows when the micro-batch changes)
     loss_pos = [batch["token_mask"][i, :int(batch.seq_lens[i])].nonzero().flatten()
                 for i in range(n)]
-    update0 = {k: base.out.state_dict[k].double() - base.initial[k] for k in base.initial}
     failures, seen = [], {}
-    for name, r in runs.items():
-        if r is base:
-            continue
+    for name, (world, kw) in others:  # one split at a time: compared, then dropped
+        r = _step(backend, transport, codec, meta_cls, rollouts.settings(family, **kw), batch,
+                  world=world, initial=base.initial)
         dl = abs(r.out.loss - base.out.loss)
         dg = abs(r.out.grad_norm - base.out.grad_norm) / base.out.grad_norm
         grad = _rel_l2(r.grads, base.grads)
-        update = {k: r.out.state_dict[k].double() - r.initial[k] for k in r.initial}
-        du = _rel_l2(update, update0)
-        lp = max(float((r.prev[i] - base.prev[i])[loss_pos[i]].abs().max(dim=0).values)
+        du = _update_rel_l2(r.out.state_dict, base.out.state_dict, base.initial)
+        lp = max(float((r.prev[i] - base.prev[i])[loss_pos[i]].abs().max())
                  if loss_pos[i].numel() else 0.0 for i in range(n)) \
             if len(r.prev) == len(base.prev) == n else math.inf
         for k, v in (("split_loss_diff_over_l1", dl / l1), ("split_grad_norm_rel_diff", dg),
@@ -282,6 +304,7 @@ def test_step_is_invariant_to_micro_batches_and_shards(backend, transport, codec
                        f"(> {lp_tol:g}{', bitwise regime' if bitwise else ''})")
         if bad:
             failures.append(f"{name} vs {base_name}: " + "; ".join(bad))
+        del r
     for k, v in seen.items():  # one value per split
         record_metric(k, v)
     assert not failures, "the step depends on how it is cut (token counts per row " \
