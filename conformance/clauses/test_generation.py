@@ -157,19 +157,39 @@ def test_rollout_batch_carries_the_processor_output(dtype, setup, family):
 
 
 # -- GEN-ORDINARY-TOKENS ------------------------------------------------------------------
+LONG_CAP = 48  # the explicit long case: every row may run to 48 tokens
+SPECIAL_SEEN_P = 0.98  # ... so an unrestricted sampler shows a special token this surely
+
+
 @pytest.mark.clause("GEN-ORDINARY-TOKENS")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rollout_samples_ordinary_tokens_only(setup, family):
+@pytest.mark.parametrize("family,length", [(f, "varied") for f in FAMILIES]
+                         + [("text", "long")])
+def test_rollout_samples_ordinary_tokens_only(setup, family, length):
+    """`varied`: per-row caps, one empty row. `long`: the family with the fewest special
+    tokens, with enough sampled tokens that a sampler not restricted to ordinary tokens draws
+    one with probability >= SPECIAL_SEEN_P on a near-uniform random policy (a kill that does
+    not hinge on the luck of a few short completions)."""
+    import math
+
     from rlconform.fixtures.families import build_family
 
     _, engine, _, prompts, images = setup(family)
-    caps = _caps(len(prompts), 1)
-    assert 0 in caps and MAX_NEW_TOKENS in caps, "test setup: caps without an empty row"
-    batch = engine.generate(prompts, images, caps, seed=1)
     fam = build_family(family)
     allowed = set(fam.ordinary_token_ids().tolist())
     eos = set(fam.eos_token_ids)
+    if length == "long":
+        caps = [LONG_CAP] * len(prompts)
+    else:
+        caps = _caps(len(prompts), 1)
+        assert 0 in caps and MAX_NEW_TOKENS in caps, "test setup: caps without an empty row"
+    batch = engine.generate(prompts, images, caps, seed=1)
     ids, mask = batch["input_ids"], batch["token_mask"].bool()
+    if length == "long":
+        vocab = len(fam.tokenizer.get_vocab())
+        special = vocab - len(allowed) - len(eos)
+        need = math.ceil(math.log(1 - SPECIAL_SEEN_P) / math.log(1 - special / vocab))
+        assert int(mask.sum()) >= need, f"test setup: {int(mask.sum())} sampled tokens, " \
+            f"{need} needed to see one of {special} special ids of {vocab}"
     lens, plens = batch["input_lengths"], batch["prompt_lengths"]
     gen = batch["generation_logprobs"]
     assert len(batch) == len(prompts), f"{len(batch)} rows for {len(prompts)} prompts"

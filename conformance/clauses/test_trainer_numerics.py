@@ -42,6 +42,11 @@ from rlconform.reference_impl.recording import RecordingTransport
 
 # M-RoPE with computed positions, dim-1 packed tiles, text only
 FAMILIES = ("qwen2_vl", "smolvlm", "text")
+# families whose row logprobs are bitwise whatever the micro-batch (CPU, eager attention):
+# measured over seeds 0-5, fp32 and bf16, micro-batches of 1, 2 and 6 (also gemma3). Qwen2-VL
+# runs every image of a micro-batch through one vision-tower matmul: fp32 loss-token logprobs
+# then move by up to 4.8e-7 (seeds 3 and 4), so it gets the tolerance.
+SPLIT_BITWISE_FAMILIES = ("smolvlm", "text")
 # one per row of the 3-prompt x 2 batch: distinct, both signs in every group
 ADVANTAGES = (1.0, -0.5, 0.75, -1.25, 0.5, -0.25)
 CLIP = 0.2  # TrainerSettings' default clip_low == clip_high
@@ -267,16 +272,24 @@ def test_step_is_invariant_to_micro_batches_and_shards(backend, transport, codec
     # at ratio 1 each token's loss is -A: the loss's absolute mass is known without the trainer
     l1 = sum(abs(a) * c for a, c in zip(ADVANTAGES, counts)) / base.normalizer
     loss_tol = loss_reorder_tol(base.normalizer, l1)
-    bitwise = base.eager and device == "cpu"
+    bitwise = base.eager and device == "cpu" and family in SPLIT_BITWISE_FAMILIES
     lp_tol = 0.0 if bitwise else TRUNCATION_LOGPROB_TOL[dtype]
     # a row's logprobs on its loss tokens (the prompt's are consumed by nothing: Qwen2-VL's
     # differ at a few image positions of two-image rows when the micro-batch changes)
     loss_pos = [batch["token_mask"][i, :int(batch.seq_lens[i])].nonzero().flatten()
                 for i in range(n)]
     failures, seen = [], {}
-    for name, (world, kw) in others:  # one split at a time: compared, then dropped
-        r = _step(backend, transport, codec, meta_cls, rollouts.settings(family, **kw), batch,
-                  world=world, initial=base.initial)
+    for name, (world, kw) in [(base_name, (1, None))] + others:  # one at a time, then dropped
+        r = base if kw is None else _step(backend, transport, codec, meta_cls,
+                                          rollouts.settings(family, **kw), batch, world=world,
+                                          initial=base.initial)
+        ratio = r.out.metrics["probs_ratio"]
+        if not (ratio.numel() == base.normalizer and bool((ratio == 1.0).all())):
+            failures.append(f"{name}: probs_ratio is not 1.0 on every one of "
+                            f"{base.normalizer} loss tokens (the step's own prev and train "
+                            "passes share its micro-batches: bitwise)")
+        if r is base:
+            continue
         dl = abs(r.out.loss - base.out.loss)
         dg = abs(r.out.grad_norm - base.out.grad_norm) / base.out.grad_norm
         grad = _rel_l2(r.grads, base.grads)
@@ -300,8 +313,8 @@ def test_step_is_invariant_to_micro_batches_and_shards(backend, transport, codec
             bad.append(f"weight update relative L2 difference {du:.3g} > "
                        f"{UPDATE_RTOL[dtype]:g}")
         if not lp <= lp_tol:
-            bad.append(f"prev logprobs of a row moved by {lp:.3g} with its micro-batch "
-                       f"(> {lp_tol:g}{', bitwise regime' if bitwise else ''})")
+            bad.append(f"prev logprobs of a loss token moved by {lp:.3g} with its "
+                       f"micro-batch (> {lp_tol:g}{', bitwise regime' if bitwise else ''})")
         if bad:
             failures.append(f"{name} vs {base_name}: " + "; ".join(bad))
         del r
