@@ -1477,3 +1477,27 @@ class TestBatchAlgebra:
                 "second_per_grid_ts")])
         with pytest.raises(KeyError, match="cannot concat batches with fields"):
             Batch.concat([q, q.to_row_dicts()])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3", "llava_next"])
+def test_row_dicts_are_what_the_processor_emits_per_sample(family):
+    """verl's multi_modal_inputs / OpenRLHF's mm_train_inputs hold the processor's output for one
+    sample: our per-row dicts of a real processor batch equal exactly that, except where one
+    tensor cannot give the images back (LLaVA-NeXT images of differing patch counts: a list)."""
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+    from rlconform.fixtures.processed import to_batch
+
+    fam = build_family(family)
+    prompts, images, _ = make_prompts(3, [2, 1, 0], seed=0)
+    batch = to_batch(fam, dict(fam.process(prompts, images)), [len(i) for i in images])
+    rows = batch.to_row_dicts("mm_train_inputs")["mm_train_inputs"]
+    assert rows[2] is None
+    for i in (0, 1):
+        one = dict(fam.process([prompts[i]], [images[i]]))
+        for key, value in rows[i].items():
+            if isinstance(value, list):
+                assert family == "llava_next" and i == 0, (family, i, key)
+                assert torch.equal(PackedTensor.from_rows([value]).as_tensor(), one[key])
+                continue
+            assert value.shape == one[key].shape and torch.equal(value, one[key]), (i, key)
