@@ -1501,3 +1501,18 @@ def test_row_dicts_are_what_the_processor_emits_per_sample(family):
                 assert torch.equal(PackedTensor.from_rows([value]).as_tensor(), one[key])
                 continue
             assert value.shape == one[key].shape and torch.equal(value, one[key]), (i, key)
+
+
+def test_data_plane_trainer_fetches_object_columns():
+    """A stage's fetch list names the `<field>.<key>` wire columns of an object field it uses,
+    so media written as per-row dicts are not left behind (the text-only train fetch)."""
+    from types import SimpleNamespace
+
+    from rlconform.reference_impl.trainer import DataPlaneTrainer
+
+    wire = CODEC.encode(_qwen().to_row_dicts())
+    meta = SimpleNamespace(fields=list(wire.columns))
+    for stage in Stage:
+        got = DataPlaneTrainer.stage_fields(None, meta, stage)
+        assert {"multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw",
+                "input_ids", "position_ids"} <= set(got), (stage, got)
