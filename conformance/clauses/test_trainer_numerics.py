@@ -399,12 +399,13 @@ def test_loss_and_logit_gradient_match_the_closed_form(backend, transport, codec
         g, z = rec.grad[0], rec.logits
         s, kept = rec.input_ids.shape[1], z.shape[1]
         rows = _match_exact(rec.input_ids, rec.attention_mask, batch)
-        for r, i in enumerate(rows):
+        for r, (i, left) in enumerate(rows):
             for q in range(kept):
-                p = s - kept + q  # the input position whose logits these are
-                c = coef.get((i, p + 1 - plen[i]), 0.0) if p + 1 >= plen[i] else 0.0
-                if (i, p + 1 - plen[i]) in coef:
-                    seen.add((i, p + 1 - plen[i]))
+                p = s - kept + q  # the input position whose logits these are ...
+                k = p - left + 1 - plen[i]  # ... predicting the row's k-th completion token
+                c = coef.get((i, k), 0.0)
+                if (i, k) in coef:
+                    seen.add((i, k))
                 if c == 0.0:
                     if bool((g[r, q] != 0).any()):
                         nonzero.append(f"row {i} position {p}")
@@ -425,16 +426,21 @@ def test_loss_and_logit_gradient_match_the_closed_form(backend, transport, codec
         f"softmax) (> {LOGIT_GRAD_RTOL[dtype]:g}): " + "; ".join(errors[:4])
 
 
-def _match_exact(ids: Tensor, mask: Tensor, batch) -> list[int]:
-    """The batch row of each forward row: same length, same tokens (exactly one)."""
+def _match_exact(ids: Tensor, mask: Tensor, batch) -> list[tuple[int, int]]:
+    """For each forward row, (the batch row with exactly its tokens, the left padding before
+    them): right- or left-padded forwards alike; exactly one batch row must match."""
     lens = batch["input_lengths"].tolist()
     out = []
     for r in range(ids.shape[0]):
-        n = int(mask[r].sum())
+        at = mask[r].nonzero().flatten()
+        n, left = int(at.numel()), int(at[0]) if at.numel() else 0
+        assert n and int(at[-1]) - left + 1 == n, f"forward row {r}: its tokens are not " \
+            "one contiguous run under the attention mask"
+        tokens = ids[r, left:left + n].to(torch.long)
         hits = [j for j, k in enumerate(lens) if k == n
-                and torch.equal(batch["input_ids"][j, :n], ids[r, :n].to(torch.long))]
+                and torch.equal(batch["input_ids"][j, :n], tokens)]
         assert len(hits) == 1, f"forward row {r} ({n} tokens) matches batch rows {hits}"
-        out.append(hits[0])
+        out.append((hits[0], left))
     return out
 
 
