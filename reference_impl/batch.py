@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .bitexact import tensor_difference
 from .packed import PackedTensor
 from .registry import FAMILIES, DtypePolicy, FamilySpec, Kind, Stage, spec
 
@@ -227,7 +228,7 @@ class Batch:
 
     # -- comparison ---------------------------------------------------------------------
     def first_difference(self, other: Batch, names: Iterable[str] | None = None) -> str | None:
-        """Why `other` differs (missing field, dtype, shape, values, rows), or None."""
+        """Why `other` differs (missing field, dtype, shape, bits, rows), or None."""
         names = list(self.fields) if names is None else list(names)
         missing = [n for n in names if n not in other.fields]
         if missing:
@@ -244,12 +245,9 @@ class Batch:
                 if why:
                     return f"field {n!r}: {why}"
                 continue
-            if a.dtype != b.dtype:
-                return f"field {n!r}: dtype {b.dtype}, expected {a.dtype}"
-            if a.shape != b.shape:
-                return f"field {n!r}: shape {list(b.shape)}, expected {list(a.shape)}"
-            if not torch.equal(a.cpu(), b.cpu()):
-                return f"field {n!r}: values differ"
+            why = tensor_difference(a, b)
+            if why:
+                return f"field {n!r}: {why}"
         return None
 
     def __eq__(self, other: object) -> bool:

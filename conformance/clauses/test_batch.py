@@ -12,6 +12,8 @@ from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, med
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields
 
+from ._check import assert_bit_equal
+
 MEDIA = media_families()
 
 
@@ -38,7 +40,7 @@ def test_truncate(batch_ops, batch, data):
     for name in batch.names(Kind.PER_TOKEN):
         got = out[name]
         assert got.shape[1] == min(cut, s), f"per-token {name!r} not truncated to {cut}"
-        assert torch.equal(got, batch[name][:, :cut]), f"per-token {name!r} truncated wrongly"
+        assert_bit_equal(batch[name][:, :cut], got, f"per-token {name!r} truncated wrongly")
     assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
 
 
@@ -52,7 +54,7 @@ def test_truncate_every_family_model_inputs(batch_ops, family):
     got = batch_ops.multimodal_inputs(out, Stage.TRAIN)
     for name, t in want.items():
         if FIELDS[name].kind is Kind.PACKED:
-            assert torch.equal(got[name], t), f"model input {name!r} changed by truncation"
+            assert_bit_equal(t, got[name], f"model input {name!r} changed by truncation")
 
 
 @pytest.mark.clause("BATCH-PAD")
@@ -65,7 +67,7 @@ def test_pad_excludes_media(batch_ops, batch, extra):
     for name in batch.names(Kind.PER_TOKEN):
         got = out[name]
         assert got.shape[1] == target, f"per-token {name!r} padded to {got.shape[1]}, not {target}"
-        assert torch.equal(got[:, : batch.seq_len()], batch[name]), f"{name!r} values moved"
+        assert_bit_equal(batch[name], got[:, : batch.seq_len()], f"{name!r} values moved")
         assert (got[:, batch.seq_len():] == FIELDS[name].pad_value).all(), f"{name!r} pad value"
 
 
