@@ -103,3 +103,30 @@ def test_stages_get_the_same_multimodal_fields(batch_ops, family):
         f"stages differ: { {s.value: sorted(v) for s, v in seen.items()} }"
     assert seen[Stage.TRAIN] == present, \
         f"stage inputs {sorted(seen[Stage.TRAIN])} != multimodal fields present {sorted(present)}"
+
+
+# -- explicit cases: what the searches above find only through one example, always run ---------
+@pytest.mark.clause("BATCH-TRUNCATE")
+@pytest.mark.parametrize("family", MEDIA)
+def test_truncate_below_the_longest_row(batch_ops, family):
+    """Truncation that really cuts (below the longest row): every per-token field in step."""
+    batch = build_batch(family, default_plan(family), extra_seq=2)
+    cut = 3
+    out = batch_ops.truncate(batch, cut)
+    _assert_media_untouched(batch, out, "truncate")
+    for name in batch.names(Kind.PER_TOKEN):
+        assert_bit_equal(batch[name][:, :cut], out[name], f"per-token {name!r} truncated to {cut}")
+    assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
+
+
+@pytest.mark.clause("BATCH-PAD")
+@pytest.mark.parametrize("family", MEDIA)
+def test_pad_beyond_the_longest_row(batch_ops, family):
+    """Padding well past the longest row (beyond every media dim 1) leaves media alone."""
+    batch = build_batch(family, default_plan(family))
+    target = batch.seq_len() + 9
+    out = batch_ops.pad_to(batch, target)
+    _assert_media_untouched(batch, out, "pad_to")
+    for name in batch.names(Kind.PER_TOKEN):
+        assert out[name].shape[1] == target, f"per-token {name!r} not padded to {target}"
+        assert_bit_equal(batch[name], out[name][:, : batch.seq_len()], f"{name!r} values moved")
