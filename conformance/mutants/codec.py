@@ -230,7 +230,7 @@ def _per_token_dim1():
 # -- values a comparator cannot see (WIRE-BITEXACT) ----------------------------------------------
 def _map_floating_columns(wire, fn):
     for name, col in wire.columns.items():
-        if col.is_floating_point():
+        if isinstance(col, torch.Tensor) and col.is_floating_point():
             wire.columns[name] = (torch.nested.nested_tensor_from_jagged(
                 fn(col.values()), offsets=col.offsets()) if col.is_nested else fn(col))
     return wire

@@ -336,7 +336,7 @@ def _shared_buffer():
             staging = self.__dict__.setdefault("_staging", {})
             out = {}
             for name, col in cols.items():
-                if col.is_nested:
+                if not isinstance(col, torch.Tensor) or col.is_nested:  # dense columns only
                     out[name] = col
                     continue
                 slot = (col.dtype, tuple(col.shape[1:]))
@@ -360,7 +360,7 @@ def _flush_subnormals():
     class T(InMemoryDataPlane):
         def put(self, partition, keys, columns, tags=None):
             def flush(v):
-                if v.dtype != torch.float32:
+                if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
                     return v
                 tiny = torch.finfo(v.dtype).smallest_normal
                 return _map_values(v, lambda x: torch.where(  # a signed zero, as DAZ gives
@@ -378,9 +378,11 @@ def _bf16_via_fp32():
     class T(InMemoryDataPlane):
         def put(self, partition, keys, columns, tags=None):
             self.__dict__.setdefault("_was_bf16", set()).update(
-                (partition, k) for k, v in columns.items() if v.dtype == torch.bfloat16)
+                (partition, k) for k, v in columns.items()
+                if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16)
+            was = self.__dict__["_was_bf16"]
             super().put(partition, keys, {k: _map_values(v, lambda x: x.float())
-                                          if v.dtype == torch.bfloat16 else v
+                                          if (partition, k) in was else v
                                           for k, v in columns.items()}, tags)
 
         def get(self, partition, keys, select_fields=None):
