@@ -207,6 +207,8 @@ def _shared():
 def _rebind(part: dict, keys, columns: dict) -> None:
     """Make the stored rows views of `columns`: the store now aliases those tensors."""
     for name, col in columns.items():
+        if not isinstance(col, torch.Tensor):  # object columns: DP-OBJECT's own aliasing case
+            continue
         if col.is_nested:
             off = col.offsets().tolist()
             rows = [col.values()[a:b] for a, b in zip(off[:-1], off[1:])]
