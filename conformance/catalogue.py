@@ -75,6 +75,39 @@ _DATA_PLANE_CLAUSES = [
         "next rank's fetch",
         ("aliasing_put", "aliasing_get"),
     ),
+    Clause(
+        "DP-CONCURRENT",
+        "one transport instance used from several threads at once MUST lose and mix nothing: "
+        "concurrent puts and gets to different partitions, and to different keys of one "
+        "partition, each return exactly their own values and tags, and list returns every key "
+        "put.",
+        "transport",
+        "rollout workers and data-parallel ranks share one data-plane client; a read-modify-write "
+        "of a partition's index or a shared staging buffer loses keys or hands one worker "
+        "another's rows, and training goes on with the wrong samples",
+        ("partition_index_lost_update", "tags_staged_on_instance", "shared_get_buffer"),
+    ),
+    Clause(
+        "DP-BITEXACT",
+        "put then get MUST return every value bit for bit: NaN with its payload and sign "
+        "(quiet and signalling), +-inf, -0.0 and subnormals, in every floating dtype, dense and "
+        "jagged.",
+        "transport",
+        "a store that flushes subnormals or round-trips through another precision changes "
+        "logprobs and pixels silently; a value comparison (torch.equal) sees neither NaN nor "
+        "the sign of zero",
+        ("subnormals_flushed_in_store", "bf16_kept_as_fp32_in_store"),
+    ),
+    Clause(
+        "DP-SHAPE-TAGS",
+        "get MUST return each row's tags exactly as put, segment shapes included, when rows "
+        "hold media of equal element count in different shapes (portrait and landscape images, "
+        "one wide tile and square tiles), so every segment is rebuilt in its own shape.",
+        "transport",
+        B3 + "ranks rebuild flattened media from the shapes on the tags; a store that keeps "
+        "sizes instead of shapes rebuilds a portrait image as landscape with no error",
+        ("tag_shapes_interned_by_size",),
+    ),
     # -- codec ----------------------------------------------------------------------------
     Clause(
         "WIRE-ROUNDTRIP",
@@ -146,6 +179,27 @@ _DATA_PLANE_CLAUSES = [
         "codec",
         B3 + "a static text-only field list missed the media fields",
         ("unknown_field_dropped",),
+    ),
+    Clause(
+        "WIRE-BITEXACT",
+        "decode(encode(batch)) MUST return every floating value bit for bit: NaN with its "
+        "payload and sign (quiet and signalling), +-inf, -0.0 and subnormals, in media, "
+        "per-token and per-sample fields of every floating dtype.",
+        "codec",
+        "an encoder that sanitises or normalises values (NaN rewritten, x * 1 + 0) changes "
+        "logprobs and pixels where a value comparison (torch.equal) cannot see it",
+        ("nan_canonicalised", "negative_zero_lost"),
+    ),
+    Clause(
+        "WIRE-SHAPE-TAGS",
+        "decode MUST rebuild every segment in the shape it was encoded with, from the tags and "
+        "never from its element count: media of equal size in different shapes across rows and "
+        "within a row (portrait and landscape images, transposed grids, one wide tile and "
+        "square tiles) come back in their own shapes and geometry.",
+        "codec",
+        B3 + "the decoder rebuilt media from what it assumed instead of what the encoder "
+        "recorded; with dynamic resolution equal sizes do not mean equal shapes",
+        ("image_shapes_normalised_to_landscape", "segment_shape_cache_by_size"),
     ),
     # -- meta -----------------------------------------------------------------------------
     Clause(

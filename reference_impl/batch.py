@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .objects import ObjectColumn, bits_equal
+from .bitexact import tensor_difference
+from .objects import ObjectColumn
 from .packed import PackedTensor
 from .registry import FAMILIES, FIELDS, DtypePolicy, FamilySpec, Kind, Stage, spec
 
@@ -400,12 +401,9 @@ class Batch:
                 if why:
                     return f"field {n!r}: {why}"
                 continue
-            if a.dtype != b.dtype:
-                return f"field {n!r}: dtype {b.dtype}, expected {a.dtype}"
-            if a.shape != b.shape:
-                return f"field {n!r}: shape {list(b.shape)}, expected {list(a.shape)}"
-            if not bits_equal(a, b):
-                return f"field {n!r}: values differ"
+            why = tensor_difference(a, b)
+            if why:
+                return f"field {n!r}: {why}"
         return None
 
     def __eq__(self, other: object) -> bool:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .bitexact import tensor_difference
+
 Row = dict[str, Any] | None
 
 
@@ -50,13 +52,8 @@ def check_row(i: int, row: Any, name: str = "object column") -> None:
 
 
 def bits_equal(a: Tensor, b: Tensor) -> bool:
-    """dtype, shape and every byte equal (NaN payloads, -0.0 vs +0.0 and subnormals included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    """dtype, shape and every bit equal (NaN payloads, -0.0 vs +0.0 and subnormals included)."""
+    return tensor_difference(a, b) is None
 
 
 def value_difference(where: str, want: Any, got: Any) -> str | None:
@@ -64,13 +61,8 @@ def value_difference(where: str, want: Any, got: Any) -> str | None:
     if isinstance(want, Tensor):
         if not isinstance(got, Tensor):
             return f"{where} is a {type(got).__name__}, expected a tensor"
-        if want.dtype != got.dtype:
-            return f"{where} dtype {got.dtype}, expected {want.dtype}"
-        if want.shape != got.shape:
-            return f"{where} shape {list(got.shape)}, expected {list(want.shape)}"
-        if not bits_equal(want, got):
-            return f"{where} values differ"
-        return None
+        why = tensor_difference(want, got)
+        return f"{where} {why}" if why else None
     if not isinstance(got, (list, tuple)):
         return f"{where} is a {type(got).__name__}, expected a list of {len(want)} tensors"
     if len(got) != len(want):

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .bitexact import tensor_difference
+
 Row = tuple[int, ...] | None
 
 
@@ -209,7 +211,7 @@ class PackedTensor:
     __hash__ = None  # type: ignore[assignment]
 
     def first_difference(self, other: PackedTensor) -> str | None:
-        """Why `other` differs logically (None-ness, segment shapes, dtype, values), or None."""
+        """Why `other` differs logically (None-ness, segment shapes, dtype, bits), or None."""
         if len(self) != len(other):
             return f"{len(other)} rows, expected {len(self)}"
         if self.pack_dim != other.pack_dim:
@@ -228,8 +230,9 @@ class PackedTensor:
                     f"expected {[list(s.shape) for s in a]}"
                 )
             for k, (x, y) in enumerate(zip(a, b)):
-                if not torch.equal(x.cpu(), y.cpu()):
-                    return f"row {i} segment {k} values differ"
+                why = tensor_difference(x, y)
+                if why:
+                    return f"row {i} segment {k}: {why}"
         return None
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ from rlconform.fixtures.strategies import MEDIA_DTYPES, batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
 from rlconform.reference_impl import registry
 from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.bitexact import bit_equal
 from rlconform.reference_impl.codec import SEQ_LEN_TAG, ReferenceCodec, WireBatch, jagged
 from rlconform.reference_impl.dataplane import InMemoryDataPlane
 from rlconform.reference_impl.meta import BatchMeta
@@ -243,7 +244,9 @@ class TestPackedTensor:
              r"^row 0 segment shapes \[\[3, 3\]\], expected \[\[2, 3\]\]$"),
             (lambda: PackedTensor.from_rows([[_f32(1, 3), _f32(1, 3)]]),
              r"^row 0 segment shapes \[\[1, 3\], \[1, 3\]\], expected \[\[2, 3\]\]$"),
-            (lambda: PackedTensor.from_rows([_f32(2, 3) * 2]), r"^row 0 segment 0 values differ$"),
+            (lambda: PackedTensor.from_rows([_f32(2, 3) * 2]),
+             r"^row 0 segment 0: 6 values differ at the bit level, first at index \(0, 0\): "
+             r"expected 1.0 \(0x3f800000\), got 2.0 \(0x40000000\)$"),
         ],
         ids=["rows", "pack_dim", "dtype", "none", "shape", "split", "values"],
     )
@@ -589,7 +592,7 @@ def test_codec_cast_property(family, data):
         elif isinstance(v, PackedTensor):
             assert want.first_difference(got) is None, (name, want.first_difference(got))
         else:
-            assert got.dtype == v.dtype and torch.equal(got, v), name
+            assert got.dtype == v.dtype and bit_equal(got, v), name
 
 
 def _cast_value(x, cast: bool):
@@ -1178,7 +1181,9 @@ class TestObjectColumn:
          r"row 0 key 'image_grid_thw' dtype torch.int32, expected torch.int64"),
         (lambda r: r[0].__setitem__("pixel_values", _f32(4, 6)),
          r"row 0 key 'pixel_values' shape \[4, 6\], expected \[6, 4\]"),
-        (lambda r: r[0].__setitem__("pixel_values", -_f32(6, 4)), r"row 0 key 'pixel_values' values"),
+        (lambda r: r[0].__setitem__("pixel_values", -_f32(6, 4)),
+         r"row 0 key 'pixel_values' 24 values differ at the bit level, first at index \(0, 0\): "
+         r"expected 1.0 \(0x3f800000\), got -1.0 \(0xbf800000\)"),
         (lambda r: r[3].__setitem__("pixel_values", torch.cat([_f32(2, 3).reshape(-1)])),
          r"row 3 key 'pixel_values' is a Tensor, expected a list of 2 tensors"),
         (lambda r: r[3]["pixel_values"].pop(), r"row 3 key 'pixel_values' has 1 tensors, expected 2"),
@@ -1196,7 +1201,8 @@ class TestObjectColumn:
         a = ObjectColumn([{"pixel_values": torch.tensor([float("nan"), 0.0, 1e-42])}])
         assert a == a.clone()  # NaN == NaN bit for bit, subnormal kept
         b = ObjectColumn([{"pixel_values": torch.tensor([float("nan"), -0.0, 1e-42])}])
-        assert a.first_difference(b) == "row 0 key 'pixel_values' values differ"
+        assert a.first_difference(b) == ("row 0 key 'pixel_values' 1 value differs at the bit "
+                                         "level, first at index 1: +0.0 came back -0.0")
 
 
 class TestSeqDim:
@@ -1524,3 +1530,56 @@ def test_data_plane_trainer_fetches_object_columns():
         got = DataPlaneTrainer.stage_fields(None, meta, stage)
         assert {"multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw",
                 "input_ids", "position_ids"} <= set(got), (stage, got)
+
+
+# -- bit-exact comparison ------------------------------------------------------------------------
+def _from_bits(values: list[int], dtype=torch.float32) -> torch.Tensor:
+    width = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return torch.tensor(values, dtype=torch.int64).to(width[dtype]).view(dtype)
+
+
+class TestBitExact:
+    @pytest.mark.parametrize("want, got, message", [
+        (lambda: torch.tensor([1.0, -0.0]), lambda: torch.tensor([1.0, 0.0]),
+         r"^1 value differs at the bit level, first at index 1: -0.0 came back \+0.0$"),
+        (lambda: _from_bits([0x7FC00001]), lambda: _from_bits([0x7FC00000]),
+         r"nan\(0x7fc00001\) came back nan\(0x7fc00000\) \(the NaN payload changed\)"),
+        (lambda: torch.tensor([1e-40, 1.0]), lambda: torch.tensor([0.0, 1.0]),
+         r"first at index 0: subnormal 9.99994610111476e-41 came back \+0.0 \(flushed to zero\)"),
+        (lambda: torch.tensor([[1.0, 2.0], [3.0, 4.0]]), lambda: torch.tensor([[1.0, 2.0],
+                                                                              [3.0, 5.0]]),
+         r"first at index \(1, 1\): expected 4.0 \(0x40800000\), got 5.0 \(0x40a00000\)$"),
+        (lambda: torch.ones(2), lambda: torch.ones(2, dtype=torch.float64),
+         r"^dtype torch.float64, expected torch.float32$"),
+        (lambda: torch.ones(2, 3), lambda: torch.ones(3, 2), r"^shape \[3, 2\], expected \[2, 3\]$"),
+    ], ids=["neg-zero", "nan-payload", "subnormal", "value", "dtype", "shape"])
+    def test_messages_say_what_differs(self, want, got, message):
+        from rlconform.reference_impl.bitexact import tensor_difference
+
+        why = tensor_difference(want(), got())
+        assert why is not None and re.search(message, why), why
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    def test_nan_equals_itself_and_every_payload_counts(self, dtype):
+        from rlconform.fixtures.synthetic import special_values
+        from rlconform.reference_impl.bitexact import tensor_difference
+
+        v = special_values(dtype)
+        assert tensor_difference(v, v.clone()) is None, "a NaN that came back as NaN differs"
+        assert not torch.equal(v, v.clone()), "torch.equal would have called this a difference"
+        for i in range(v.numel()):
+            for j in range(v.numel()):
+                if i != j:
+                    assert tensor_difference(v[i:i + 1], v[j:j + 1]) is not None, (i, j)
+
+    def test_packed_and_batch_comparisons_are_bit_exact(self):
+        a = torch.tensor([[0.0, 1.0]])
+        b = torch.tensor([[-0.0, 1.0]])
+        why = PackedTensor.from_rows([a]).first_difference(PackedTensor.from_rows([b]))
+        assert why and "+0.0 came back -0.0" in why, why
+        nan = _from_bits([0x7FC00001, 0x7FC00001])
+        batch = Batch({"input_lengths": torch.tensor([1, 1]), "advantages": nan})
+        assert batch.first_difference(batch.replace(advantages=nan.clone())) is None
+        why = batch.first_difference(batch.replace(advantages=_from_bits([0x7FC00001,
+                                                                          0x7FC00000])))
+        assert why and why.startswith("field 'advantages': 1 value differs"), why

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.bitexact import tensor_difference
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
-    """Why column `got` is not exactly `want` (layout, dtype, shape, rows, values), or None."""
+    """Why column `got` is not exactly `want` (layout, dtype, shape, rows, bits), or None."""
     if not isinstance(got, Tensor):
         return f"column {name!r} came back as {type(got).__name__}, not a tensor"
     if want.is_nested != got.is_nested:
@@ -25,14 +25,20 @@ def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
         for i, (x, y) in enumerate(zip(a, b)):
             if x.shape != y.shape:
                 return f"column {name!r} row {i} has shape {list(y.shape)}, written {list(x.shape)}"
-            if not torch.equal(x.cpu(), y.cpu()):
-                return f"column {name!r} row {i} values differ"
+            why = tensor_difference(x, y)
+            if why:
+                return f"column {name!r} row {i}: {why}"
         return None
     if want.shape != got.shape:
         return f"column {name!r} came back with shape {list(got.shape)}, written {list(want.shape)}"
-    if not torch.equal(want.cpu(), got.cpu()):
-        return f"column {name!r} values differ"
-    return None
+    why = tensor_difference(want, got)
+    return f"column {name!r}: {why}" if why else None
+
+
+def assert_bit_equal(want: Tensor, got: Tensor, what: str) -> None:
+    """`got` is bit for bit `want` (dtype, shape, raw bits); the message says what differs."""
+    why = tensor_difference(want, got)
+    assert why is None, f"{what}: {why}"
 
 
 def assert_columns_equal(want: dict[str, Tensor], got: dict[str, Tensor]) -> None:

@@ -22,6 +22,8 @@ from rlconform.reference_impl.objects import ObjectColumn, row_difference, value
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields, spec
 
+from ._check import assert_bit_equal
+
 MEDIA = media_families()
 
 
@@ -59,9 +61,8 @@ def test_truncate(batch_ops, batch, data):
         got, want = out[name], batch[name]
         assert _seq_size(name, got) == min(cut, s), \
             f"per-token {name!r} {list(want.shape)} not truncated to {cut}: {list(got.shape)}"
-        assert got.shape == _seq(name, want, 0, min(cut, s)).shape and \
-            torch.equal(got, _seq(name, want, 0, min(cut, s))), \
-            f"per-token {name!r} {list(want.shape)} truncated wrongly"
+        assert_bit_equal(_seq(name, want, 0, min(cut, s)), got,
+                         f"per-token {name!r} {list(want.shape)} truncated wrongly")
     assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
 
 
@@ -75,7 +76,7 @@ def test_truncate_every_family_model_inputs(batch_ops, family):
     got = batch_ops.multimodal_inputs(out, Stage.TRAIN)
     for name, t in want.items():
         if FIELDS[name].kind is Kind.PACKED:
-            assert torch.equal(got[name], t), f"model input {name!r} changed by truncation"
+            assert_bit_equal(t, got[name], f"model input {name!r} changed by truncation")
 
 
 @pytest.mark.clause("BATCH-PAD")
@@ -89,7 +90,7 @@ def test_pad_excludes_media(batch_ops, batch, extra):
         got, s = out[name], batch.seq_len()
         assert _seq_size(name, got) == target and got.dim() == batch[name].dim(), \
             f"per-token {name!r} {list(batch[name].shape)} padded to {list(got.shape)}, not {target}"
-        assert torch.equal(_seq(name, got, 0, s), batch[name]), f"{name!r} values moved"
+        assert_bit_equal(batch[name], _seq(name, got, 0, s), f"{name!r} values moved")
         assert (_seq(name, got, s, target - s) == FIELDS[name].pad_value).all(), \
             f"{name!r} pad value"
 
@@ -348,3 +349,32 @@ def test_property_micro_batches(batch_ops, batch, data):
     n = data.draw(st.integers(1, len(batch)), label="n")
     seed = data.draw(st.one_of(st.none(), st.integers(0, 2**16)), label="shuffle_seed")
     _check_micro_batches(batch_ops, batch, n, seed)
+
+
+# -- explicit cases: what the searches above find only through one example, always run ---------
+@pytest.mark.clause("BATCH-TRUNCATE")
+@pytest.mark.parametrize("family", MEDIA)
+def test_truncate_below_the_longest_row(batch_ops, family):
+    """Truncation that really cuts (below the longest row): every per-token field in step."""
+    batch = build_batch(family, default_plan(family), extra_seq=2)
+    cut = 3
+    out = batch_ops.truncate(batch, cut)
+    _assert_media_untouched(batch, out, "truncate")
+    for name in batch.names(Kind.PER_TOKEN):
+        assert_bit_equal(_seq(name, batch[name], 0, cut), out[name],
+                         f"per-token {name!r} truncated to {cut}")
+    assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
+
+
+@pytest.mark.clause("BATCH-PAD")
+@pytest.mark.parametrize("family", MEDIA)
+def test_pad_beyond_the_longest_row(batch_ops, family):
+    """Padding well past the longest row (beyond every media dim 1) leaves media alone."""
+    batch = build_batch(family, default_plan(family))
+    target = batch.seq_len() + 9
+    out = batch_ops.pad_to(batch, target)
+    _assert_media_untouched(batch, out, "pad_to")
+    for name in batch.names(Kind.PER_TOKEN):
+        assert _seq_size(name, out[name]) == target, f"per-token {name!r} not padded to {target}"
+        assert_bit_equal(batch[name], _seq(name, out[name], 0, batch.seq_len()),
+                         f"{name!r} values moved")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -98,3 +100,41 @@ def test_dp_shards(meta_cls, n, world, seed):
     tokens = [sum(s.seq_lens) for s in shards]
     assert max(tokens) - min(tokens) <= max(m.seq_lens), \
         f"shard token counts {tokens} differ by more than the longest row"
+
+
+# -- explicit cases: what the search above finds only through one example, always run ---------------
+@pytest.mark.clause("META-TAGS")
+@pytest.mark.parametrize("n, idx, cut", [(1, [0], 1), (5, [4, 0, 2], 2), (6, [5, 4, 3, 2, 1, 0], 3)],
+                         ids=["one-row", "reordered-subset", "reversed"])
+def test_operations_keep_tags_aligned_cases(meta_cls, n, idx, cut):
+    m = _meta(meta_cls, n)
+    full = _rows(m)
+    assert _rows(m.subset(idx)) == [full[i] for i in idx], f"subset {idx} misaligned its tags"
+    assert _rows(meta_cls.concat([m.slice(0, cut), m.slice(cut, n)])) == full, \
+        f"concat of [0:{cut}] and [{cut}:{n}] is not the whole"
+    assert _rows(m.slice(1, n)) == full[1:], "slice misaligned its tags"
+
+
+@pytest.mark.clause("META-TAGS")
+def test_parent_unchanged_after_its_subset_is_stamped(meta_cls):
+    """A rank stamps its subset (e.g. with advantages); the driver's meta must not change."""
+    m = _meta(meta_cls, 5)
+    before = [copy.deepcopy(t) for t in m.tags]
+    sub = m.subset([3, 1])
+    stamped = sub.stamp_tags([{"adv": 1.5}, {"adv": -0.5}])
+    assert [t["adv"] for t in stamped.tags] == [1.5, -0.5]
+    assert m.tags == before, "stamping a subset changed the parent meta's tags"
+    assert all("adv" not in t for t in sub.tags), "stamp_tags changed the subset it was called on"
+    m.stamp_tags({"adv": 2.0})
+    assert m.tags == before, "stamp_tags changed the meta it was called on"
+    part = m.slice(0, 2)
+    part.stamp_tags({"adv": 0.0}).tags[0]["pixel_values"]["shapes"].append([9, 9])
+    assert m.tags == before and part.tags == before[:2], \
+        "a stamped slice shares tag objects with its parent"
+
+
+@pytest.mark.clause("META-DP-SHARD")
+@pytest.mark.parametrize("n, world, seed", [(1, 1, 0), (7, 3, 0), (9, 2, 5), (3, 5, 1)],
+                         ids=["one-row", "uneven", "two-ranks", "more-ranks-than-rows"])
+def test_dp_shard_cases(meta_cls, n, world, seed):
+    test_dp_shards.hypothesis.inner_test(meta_cls, n, world, seed)

@@ -225,3 +225,68 @@ def _per_token_dim1():
             return jagged_from_values(torch.cat(rows), [r.shape[0] for r in rows])
 
     return _with(C)()
+
+
+# -- values a comparator cannot see (WIRE-BITEXACT) ----------------------------------------------
+def _map_floating_columns(wire, fn):
+    for name, col in wire.columns.items():
+        if isinstance(col, torch.Tensor) and col.is_floating_point():
+            wire.columns[name] = (torch.nested.nested_tensor_from_jagged(
+                fn(col.values()), offsets=col.offsets()) if col.is_nested else fn(col))
+    return wire
+
+
+@mutant("nan_canonicalised", "the encoder sanitised floating columns, rewriting every NaN as "
+        "the canonical NaN: payloads and signs of NaNs are lost", "codec")
+def _canonical_nan():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            return _map_floating_columns(super().encode(batch),
+                                         lambda v: v.masked_fill(v.isnan(), float("nan")))
+
+    return _with(C)()
+
+
+@mutant("negative_zero_lost", "the encoder normalised floating columns as x * 1.0 + 0.0 "
+        "(a no-op scale and shift): -0.0 arrives as +0.0", "codec")
+def _plus_zero():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            return _map_floating_columns(super().encode(batch), lambda v: v * 1.0 + 0.0)
+
+    return _with(C)()
+
+
+# -- shape independent of size (WIRE-SHAPE-TAGS) -------------------------------------------------
+@mutant("image_shapes_normalised_to_landscape", "the decoder rebuilt image segments in "
+        "landscape orientation (the last two dims sorted): a portrait image or a tall tile "
+        "comes back reshaped to the wrong shape", "codec")
+def _landscape():
+    class C(ReferenceCodec):
+        def _decode_packed(self, name, col, tags):
+            pt = super()._decode_packed(name, col, tags)
+            if not name.startswith("pixel_"):
+                return pt
+            return PackedTensor([s.reshape(*s.shape[:-2], *sorted(s.shape[-2:]))
+                                 if s.dim() >= 3 else s for s in pt.segments],
+                                pt.rows, pt.pack_dim)
+
+    return _with(C)()
+
+
+@mutant("segment_shape_cache_by_size", "the decoder memoised its reshape plan per field by "
+        "element count: a segment with as many values as one decoded before in the batch "
+        "takes that one's shape", "codec")
+def _shape_cache():
+    class C(ReferenceCodec):
+        def _decode_packed(self, name, col, tags):
+            plans: dict[int, list[int]] = {}
+            tags = copy.deepcopy(list(tags))
+            for t in tags:
+                meta = t.get(name)
+                if meta and meta.get("shapes"):
+                    meta["shapes"] = [plans.setdefault(int(torch.Size(s).numel()), s)
+                                      for s in meta["shapes"]]
+            return super()._decode_packed(name, col, tags)
+
+    return _with(C)()

@@ -207,6 +207,8 @@ def _shared():
 def _rebind(part: dict, keys, columns: dict) -> None:
     """Make the stored rows views of `columns`: the store now aliases those tensors."""
     for name, col in columns.items():
+        if not isinstance(col, torch.Tensor):  # object columns: DP-OBJECT's own aliasing case
+            continue
         if col.is_nested:
             off = col.offsets().tolist()
             rows = [col.values()[a:b] for a, b in zip(off[:-1], off[1:])]
@@ -282,5 +284,152 @@ def _object_none():
                 if isinstance(col, ObjectColumn):
                     out[name] = ObjectColumn([{} if r is None else r for r in col])
             return out, tags
+
+    return _with(T)()
+
+
+# -- concurrency: one instance used from several threads (DP-CONCURRENT) -------------------------
+# Each defect is invisible to a single thread; each widens its own race window with
+# `time.sleep(0)` (a GIL release where a real store would do I/O), so the clause kills it reliably.
+@mutant("partition_index_lost_update", "puts published the partition index and each partition's "
+        "key dict by copy-on-write without a lock: two workers putting at once, one's keys "
+        "(or partition) are lost", "transport")
+def _lost_update():
+    import time
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            rows, ptags = dict(self._rows), dict(self._tags)  # read ...
+            rows[partition] = dict(rows.get(partition, {}))
+            ptags[partition] = dict(ptags.get(partition, {}))
+            time.sleep(0)
+            self._rows, self._tags = rows, ptags  # ... modify-write: a stale copy wins
+            super().put(partition, keys, columns, tags)
+
+    return _with(T)()
+
+
+@mutant("tags_staged_on_instance", "put staged the tags on the transport object between storing "
+        "the columns and committing the tags: a concurrent put's tags land on these keys",
+        "transport")
+def _staged_tags():
+    import time
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            self._pending_tags = None if tags is None else list(tags)
+            super().put(partition, keys, columns, None)
+            time.sleep(0)
+            for k, t in zip(keys, self._pending_tags or []):
+                self._tags[partition][k].update(copy.deepcopy(t))
+
+    return _with(T)()
+
+
+@mutant("shared_get_buffer", "get assembled dense columns in one staging buffer per transport "
+        "(reused across calls) and copied out of it: concurrent gets hand each other's rows "
+        "out", "transport")
+def _shared_buffer():
+    import time
+
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            staging = self.__dict__.setdefault("_staging", {})
+            out = {}
+            for name, col in cols.items():
+                if not isinstance(col, torch.Tensor) or col.is_nested:  # dense columns only
+                    out[name] = col
+                    continue
+                slot = (col.dtype, tuple(col.shape[1:]))
+                buf = staging.get(slot)
+                if buf is None or buf.shape[0] < col.shape[0]:
+                    buf = staging[slot] = torch.empty((max(64, col.shape[0]), *slot[1]),
+                                                      dtype=col.dtype)
+                buf[: col.shape[0]].copy_(col)
+                time.sleep(0)
+                out[name] = buf[: col.shape[0]].clone()
+            return out, tags
+
+    return _with(T)()
+
+
+# -- values a comparator cannot see (DP-BITEXACT) ------------------------------------------------
+@mutant("subnormals_flushed_in_store", "the store's float32 copy kernel ran with flush-to-zero "
+        "(denormals-are-zero set by another library): subnormal logprobs and pixel values "
+        "arrive as zeros", "transport")
+def _flush_subnormals():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            def flush(v):
+                if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+                    return v
+                tiny = torch.finfo(v.dtype).smallest_normal
+                return _map_values(v, lambda x: torch.where(  # a signed zero, as DAZ gives
+                    x.abs() < tiny, torch.copysign(torch.zeros_like(x), x), x))
+
+            super().put(partition, keys, {k: flush(v) for k, v in columns.items()}, tags)
+
+    return _with(T)()
+
+
+@mutant("bf16_kept_as_fp32_in_store", "the store kept bfloat16 columns as float32 (its "
+        "serialiser has no bfloat16) and cast them back on get: dtype and ordinary values "
+        "survive, NaN payloads do not", "transport")
+def _bf16_via_fp32():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            self.__dict__.setdefault("_was_bf16", set()).update(
+                (partition, k) for k, v in columns.items()
+                if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16)
+            was = self.__dict__["_was_bf16"]
+            super().put(partition, keys, {k: _map_values(v, lambda x: x.float())
+                                          if (partition, k) in was else v
+                                          for k, v in columns.items()}, tags)
+
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            was = self.__dict__.get("_was_bf16", set())
+            return {k: _map_values(v, lambda x: x.to(torch.bfloat16))
+                    if (partition, k) in was else v for k, v in cols.items()}, tags
+
+    return _with(T)()
+
+
+def _map_values(col, fn):
+    """`fn` applied to a column's values, jagged or dense, keeping the row boundaries."""
+    if col.is_nested:
+        return torch.nested.nested_tensor_from_jagged(fn(col.values()), offsets=col.offsets())
+    return fn(col)
+
+
+# -- shape independent of size (DP-SHAPE-TAGS) ---------------------------------------------------
+def _shape_lists(tag, visit, path=()):
+    """Replace every list of shapes (lists of ints) inside a tag by `visit(path, shapes)`."""
+    if isinstance(tag, dict):
+        for k, v in tag.items():
+            if isinstance(v, list) and v and all(isinstance(s, list) and all(
+                    isinstance(d, int) for d in s) for s in v):
+                tag[k] = visit((*path, k), v)
+            else:
+                _shape_lists(v, visit, (*path, k))
+
+
+@mutant("tag_shapes_interned_by_size", "the metadata store interned the shape lists in tags by "
+        "their element counts per partition (to save controller memory): a row whose media have "
+        "as many values as an earlier row's gets that row's shapes", "transport")
+def _interned_shapes():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            if tags is not None:
+                seen = self.__dict__.setdefault("_interned", {}).setdefault(partition, {})
+                tags = copy.deepcopy(list(tags))
+                for t in tags:
+                    def intern(path, shapes):
+                        size = (path, tuple(int(torch.Size(s).numel()) for s in shapes))
+                        return copy.deepcopy(seen.setdefault(size, shapes))
+
+                    _shape_lists(t, intern)
+            super().put(partition, keys, columns, tags)
 
     return _with(T)()
