@@ -31,6 +31,9 @@ CAPABILITIES = {
     "bfloat16": "carries bfloat16 tensors",
     "cpu": "runs on the CPU",
     "cuda": "runs on a CUDA device",
+    "multiprocess": "a transport other processes reopen: transport.address() is picklable and "
+    "backend.transport(address=...) opens the same store there (data-parallel rank processes, "
+    "reference_impl/ranks.py)",
 }
 
 ENTRY_POINT_GROUP = "rlconform.backends"

@@ -197,7 +197,7 @@ class GRPOCore:
         """
         s = self.settings
         shards = [self.prepare(b) for b in shards]
-        normalizer = max(1.0, float(sum(int(b["token_mask"].sum()) for b in shards)))
+        normalizer = self.loss_normalizer(sum(int(b["token_mask"].sum()) for b in shards))
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         metrics: dict[str, list[Tensor]] = {}
@@ -216,6 +216,7 @@ class GRPOCore:
                 total += out.loss.detach().double().cpu()
                 for k, v in out.metrics.items():
                     metrics.setdefault(k, []).append(v.cpu())
+        self.reduce_gradients()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = s.max_grad_norm if s.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params \
@@ -228,6 +229,20 @@ class GRPOCore:
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # -- data parallelism across processes (reference_impl/ranks.py) ---------------------
+    def loss_normalizer(self, tokens: int) -> float:
+        """The step's loss-token count (at least 1). In a rank process it is summed over every
+        data-parallel rank, so the objective does not depend on how the batch was sharded."""
+        from .ranks import dp_sum
+
+        return max(1.0, float(dp_sum(tokens)))
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over the data-parallel ranks (nothing to do in one process)."""
+        from .ranks import dp_reduce_gradients
+
+        dp_reduce_gradients(self.model)
 
 
 class _Trainer:
