@@ -527,7 +527,7 @@ class RankGroup:
 def dataplane_step_ranks(batch, group, transport, codec, meta_cls=None, partition: str = "step0",
                          *, rewards=None, advantages=None, group_size: int = 1,
                          uid: str = "uid", clear: bool = True, kill=None,
-                         return_state: bool = True):
+                         return_state: bool = True, timeout_s: float | None = None):
     """grpo.dataplane_step with real ranks: the driver writes, shards and waits; ranks work.
 
     Returns a `grpo.StepOutcome` whose `extra` holds the `RankStep` ("ranks") and the shard
@@ -546,7 +546,7 @@ def dataplane_step_ranks(batch, group, transport, codec, meta_cls=None, partitio
         transport.put(partition, keys, {"advantages": col.columns["advantages"]})
         meta = meta.with_fields("advantages")
         shards, _ = meta.shard_for_dp(group.world)
-        out = group.step(shards, kill=kill, return_state=return_state)
+        out = group.step(shards, kill=kill, return_state=return_state, timeout_s=timeout_s)
     finally:
         if clear:
             transport.clear(partition, keys)
