@@ -67,7 +67,8 @@ def _backend(core_cls: type = GRPOCore, dataplane_cls: type = DataPlaneTrainer,
 
         other = load_backend(real)
         parts.update(transport=other.transport, session=other.session,
-                     capabilities=other.capabilities)
+                     capabilities=other.capabilities,
+                     description=f"the reference with a rank defect, on {real}'s transport")
     return build(**parts)
 
 
