@@ -192,7 +192,8 @@ class RankLaunch:
     on GPU r mod the GPU count). `dist_backend`: "gloo" or "nccl"; None picks NCCL when the
     device is CUDA and there is a GPU per rank, gloo otherwise. `timeout_s` bounds a step and
     every collective; `start_timeout_s` the start (imports, rendezvous). `probe`: ranks report
-    what they fetched, put and fed their model. `threads`: torch intra-op threads per rank.
+    what they fetched, put and fed their model. `threads`: torch intra-op threads per rank
+    (on CPU, gradients are bitwise only between processes with the same thread count).
     """
 
     world: int
@@ -360,6 +361,10 @@ class RankGroup:
                 time.sleep(0.02)
         finally:
             done.set()
+            if thread.is_alive():  # blocked in accept(): a bare connect lets it see `done`
+                from .served import _wake
+
+                _wake(host, port)
         for conn, hello in accepted:
             _kind, rank, _pid = hello
             self._conns[rank] = conn
@@ -408,10 +413,10 @@ class RankGroup:
                 break
             time.sleep(0.02)
         for r, p in enumerate(self._procs):
-            if p.poll() is not None and r not in problems:
-                problems[r] = _how_it_ended(p.returncode)
-            elif p.poll() is not None and "exit" not in problems[r] and "killed" not in problems[r]:
-                problems[r] = f"{problems[r]}; {_how_it_ended(p.returncode)}"
+            if p.poll() is None:
+                continue
+            ended, seen = _how_it_ended(p.returncode), problems.get(r)
+            problems[r] = ended if seen in (None, ended) else f"{ended} ({seen})"
         dead = sorted(r for r, p in enumerate(self._procs) if p.poll() is not None)
         order = dead + sorted(r for r in problems if r not in dead)
         lines = []
@@ -740,6 +745,11 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     if key is None:
         print(f"{AUTHKEY_ENV} is not set: ranks are started by RankGroup", file=sys.stderr)
         return 2
+    import warnings
+
+    # transformers' models trip this torch.fx deprecation on every import; keep the rank logs
+    # (quoted in RankFailed) to what matters
+    warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
     host, _, port = a.driver.rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(key))
     _send(conn, ("hello", a.rank, os.getpid()))

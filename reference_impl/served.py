@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import secrets
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -206,9 +207,7 @@ class ServedDataPlane(InMemoryDataPlane):
             self._stopping = True
             listener, self._listener = self._listener, None
             if listener is not None:
-                address = self._address
-                with contextlib.suppress(Exception):  # wake the accept() so its thread ends
-                    Client((address.host, address.port), authkey=address.authkey).close()
+                _wake(self._address.host, self._address.port)
                 with contextlib.suppress(Exception):
                     listener.close()
             for conn in self._conns:
@@ -216,6 +215,14 @@ class ServedDataPlane(InMemoryDataPlane):
                     conn.close()
             self._conns.clear()
             super().close()
+
+
+def _wake(host: str, port: int) -> None:
+    """Unblock a thread waiting in `Listener.accept()`: a bare TCP connect, closed at once (it
+    fails the handshake, so accept raises). Never an authenticated `Client`: if the accept
+    thread has already left its loop, that handshake would wait forever for a challenge."""
+    with contextlib.suppress(OSError):
+        socket.create_connection((host, port), timeout=1.0).close()
 
 
 # -- the client side ----------------------------------------------------------------------------
