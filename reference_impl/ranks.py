@@ -493,8 +493,13 @@ class RankGroup:
         if kill is not None and kill[1] not in STAGES:
             raise ValueError(f"kill stage must be one of {STAGES}, got {kill[1]!r}")
         t0 = time.monotonic()
-        for r, (conn, shard) in enumerate(zip(self._conns, shards)):
-            _send(conn, ("step", shard, kill, return_state and r == 0))
+        # pickle every shard before sending any: a meta that cannot travel fails here, not
+        # with half the ranks already waiting in a collective
+        payloads = [pickle.dumps(("step", shard, kill, return_state and r == 0),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+                    for r, shard in enumerate(shards)]
+        for conn, payload in zip(self._conns, payloads):
+            conn.send_bytes(payload)
         reports: list[RankReport] = self._collect(
             f"step {self.steps}", self.launch.timeout_s if timeout_s is None else timeout_s)
         self.steps += 1
@@ -591,8 +596,9 @@ def _digest(state: dict[str, Tensor]) -> str:
 class _Probe:
     """A recording transport that also keeps what each get returned, stage by stage."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, record: bool = True):
         self.inner = inner
+        self.record = record
         self.stage = "bind"
         self.fetches: list[dict] = []
         self.puts: list[dict] = []
@@ -601,17 +607,19 @@ class _Probe:
     def put(self, partition, keys, columns, tags=None):
         from .served import pack_columns
 
-        self.puts.append({"stage": self.stage, "keys": list(keys), "fields": list(columns),
-                          "columns": pack_columns(columns)})
+        if self.record:
+            self.puts.append({"stage": self.stage, "keys": list(keys), "fields": list(columns),
+                              "columns": pack_columns(columns)})
         return self.inner.put(partition, keys, columns, tags)
 
     def get(self, partition, keys, select_fields=None):
         from .served import pack_columns
 
         cols, tags = self.inner.get(partition, keys, select_fields=select_fields)
-        self.fetches.append({"stage": self.stage, "keys": list(keys),
-                             "fields": list(select_fields or []),
-                             "columns": pack_columns(cols), "tags": tags})
+        if self.record:
+            self.fetches.append({"stage": self.stage, "keys": list(keys),
+                                 "fields": list(select_fields or []),
+                                 "columns": pack_columns(cols), "tags": tags})
         return cols, tags
 
     def list(self, partition):
@@ -661,7 +669,7 @@ class _Rank:
     def bind(self, settings, address, pixel_dtype) -> None:
         self._release()
         self.transport = _surface(self.backend, "transport")(address=address)
-        self.probe = _Probe(self.transport)
+        self.probe = _Probe(self.transport, record=self.launch.probe)
         codec = _surface(self.backend, "codec")(pixel_dtype)
         self.trainer = _surface(self.backend, "trainer")(settings, self.probe, codec)
         if self.launch.probe:
