@@ -365,3 +365,22 @@ def test_rank_clauses_pass_on_real_backends_and_their_mutants_die(tmp_path, monk
         path = tmp_path / "mutants" / "mutants" / f"mutant_{r['name']}" / "report.json"
         caps = json.loads(path.read_text())["backend_info"]["capabilities"]
         assert "object_columns" not in caps, f"{r['name']} did not run on {name}'s transport"
+
+
+@pytest.mark.slow
+def test_e2e_with_rank_processes_stays_bitwise_with_one_process(tmp_path):
+    """`nox -s e2e`'s multi-process run: two GRPO steps, world 2 as rank processes, bitwise
+    equal to the same shards in one process every step, nothing left running."""
+    from rlconform.e2e.grpo_ranks import run
+
+    threads = torch.get_num_threads()
+    try:
+        result = run("qwen2_vl", steps=2, prompts=2, group=2, world=2, max_new_tokens=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert result["ok"], result
+    assert result["expect_bitwise_vs_one_process"]
+    for step in result["steps"]:
+        assert step["bitwise_vs_one_process"] and step["ranks_agree"], step
+        assert step["seconds_ranks"] > 0 and step["seconds_one_process"] > 0
+    assert not result["left_processes"]
