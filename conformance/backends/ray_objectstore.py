@@ -20,7 +20,7 @@ import os
 import uuid
 from collections.abc import Iterator, Sequence
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
@@ -333,4 +333,5 @@ backend = Backend(
     capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
                             "dim1_packing", "multiprocess"}),
     session=session,
+    version=package_version("ray", "Ray"),
 )
