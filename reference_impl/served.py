@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .dataplane import InMemoryDataPlane, column_layout, jagged_from_values
+from .objects import ObjectColumn
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -66,9 +67,13 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def pack_column(name: str, col: Tensor) -> tuple:
+def pack_column(name: str, col) -> tuple:
     """A column as plain bytes: ("dense", dtype, shape, raw) or ("jagged", dtype, trailing,
-    raw values, row lengths). Validates like the store does (tensor, jagged layout, >= 1-D)."""
+    raw values, row lengths); an `ObjectColumn` (capability `object_columns`) as ("object",
+    rows), its tensors pickled by value. Validates like the store does (tensor, jagged layout,
+    >= 1-D)."""
+    if isinstance(col, ObjectColumn):
+        return ("object", col.clone().rows)
     layout = column_layout(name, col)
     if layout.kind == "jagged":
         rows = col.unbind()
@@ -79,7 +84,9 @@ def pack_column(name: str, col: Tensor) -> tuple:
     return ("dense", str(col.dtype), list(col.shape), _raw(col))
 
 
-def unpack_column(packed: tuple) -> Tensor:
+def unpack_column(packed: tuple):
+    if packed[0] == "object":
+        return ObjectColumn(packed[1])
     kind, dtype = packed[0], _dtype(packed[1])
     if kind == "dense":
         return _tensor(packed[3], dtype, packed[2])

@@ -75,6 +75,13 @@ def test_client_roundtrips_every_layout(store):
             want = col[[2, 0]] if not col.is_nested else nt([col.unbind()[2], col.unbind()[0]])
             assert same(want, got[name]), name
         assert got_tags == [tags[2], tags[0]]
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    obj = ObjectColumn([{"pixel_values": torch.randn(2, 3, generator=g)}, {}, None,
+                        {"image_grid_thw": torch.tensor([[1, 2, 2]])}])
+    client.put("p", KEYS, {"multi_modal_inputs": obj})
+    got, _ = client.get("p", KEYS[::-1], ["multi_modal_inputs"])
+    assert got["multi_modal_inputs"] == ObjectColumn(obj.rows[::-1])
     client.put("p", KEYS[:2], {"adv": torch.ones(2)}, [{"scored": True}] * 2)
     _, merged = owner.get("p", KEYS[:1], ["adv", "dense"])
     assert merged == [{**tags[0], "scored": True}]
