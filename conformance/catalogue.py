@@ -347,6 +347,9 @@ def _all() -> list[Clause]:
             raise
     else:
         clauses += TRAINER_CLAUSES
+    from .catalogue_ranks import RANK_CLAUSES
+
+    clauses += RANK_CLAUSES
     ids = [c.id for c in clauses]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:

@@ -209,6 +209,7 @@ class GRPOCore:
                 total += out.loss.detach().double().cpu()
                 for k, v in out.metrics.items():
                     metrics.setdefault(k, []).append(v.cpu())
+        self.reduce_gradients()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = s.max_grad_norm if s.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params \
@@ -220,9 +221,12 @@ class GRPOCore:
                           float(grad_norm), {"normalizer": normalizer, "step": self.steps})
 
     def loss_normalizer(self, shards: Sequence[Batch]) -> float:
-        """The loss-token count of the whole step (every micro-batch of every rank): the loss
-        is a token-mean over the step, whatever the split."""
-        return max(1.0, float(sum(int(b["token_mask"].sum()) for b in shards)))
+        """The loss-token count of the whole step (every micro-batch of every shard, summed over
+        the data-parallel rank processes too): the loss is a token-mean over the step, whatever
+        the split or the sharding."""
+        from .ranks import dp_sum
+
+        return max(1.0, float(dp_sum(sum(int(b["token_mask"].sum()) for b in shards))))
 
     def micro_batch_loss(self, mb: Batch, logp: Tensor, normalizer: float) -> LossOutput:
         """One micro-batch's share of the step loss (its token sum / `normalizer`)."""
@@ -237,6 +241,13 @@ class GRPOCore:
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # -- data parallelism across processes (reference_impl/ranks.py) ---------------------
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over the data-parallel ranks (nothing to do in one process)."""
+        from .ranks import dp_reduce_gradients
+
+        dp_reduce_gradients(self.model)
 
 
 class _Trainer:

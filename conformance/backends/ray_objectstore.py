@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
+INDEX_NAMESPACE = "rlconform"  # the index actors are named, so a rank process can find one
 DENSE, JAGGED = "dense", "jagged"
 
 
@@ -215,15 +217,34 @@ def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
 class RayObjectStoreTransport:
     """The rlconform transport surface on Ray's object store (see the module docstring)."""
 
-    def __init__(self, timeout_s: float | None = None):
+    def __init__(self, timeout_s: float | None = None, address: dict | None = None):
         ray = _ray()
+        if address is not None and not ray.is_initialized():  # a rank process: join the cluster
+            ray.init(address=address["ray"], log_to_driver=False, configure_logging=False)
         if not ray.is_initialized():
             raise RuntimeError("Ray is not running: enter the backend's session "
                                "(Backend.session) before making a transport")
         self._ray = ray
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        self.index = ray.remote(num_cpus=0, max_restarts=0)(_Index).remote()
+        self._owner = address is None
+        if self._owner:
+            self._name = f"rlconform-index-{uuid.uuid4().hex[:12]}"
+            self.index = ray.remote(num_cpus=0, max_restarts=0)(_Index).options(
+                name=self._name, namespace=INDEX_NAMESPACE).remote()
+        else:
+            self._name = address["index"]
+            try:
+                self.index = ray.get_actor(self._name, namespace=INDEX_NAMESPACE)
+            except ValueError:
+                raise _procs.BackendUnavailable(f"ray-objectstore index {self._name!r} is gone: "
+                                                "its owner closed the transport") from None
         self._closed = False
+
+    def address(self) -> dict:
+        """Where another process reopens this store: the Ray cluster and the index actor's
+        name (capability `multiprocess`; `RayObjectStoreTransport(address=...)` there). Blocks
+        that process puts are owned by it (see the module docstring)."""
+        return {"ray": self._ray.get_runtime_context().gcs_address, "index": self._name}
 
     def _wait(self, refs, what: str):
         ray = self._ray
@@ -277,11 +298,13 @@ class RayObjectStoreTransport:
         self._ask("clear", partition, list(keys) if keys is not None else None)
 
     def close(self) -> None:
-        """Kill the index actor: it holds the last ref to every block, so all are freed."""
+        """Kill the index actor: it holds the last ref to every block, so all are freed. A
+        transport reopened by address only lets go of its handle: the store is its owner's."""
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(Exception):
-                self._ray.kill(self.index)
+            if self._owner:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(self.index)
 
 
 def _empty(layout: tuple):
@@ -308,7 +331,7 @@ backend = Backend(
     "actor that maps keys to blocks, tags and layouts)",
     transport=RayObjectStoreTransport,
     capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
-                            "dim1_packing"}),
+                            "dim1_packing", "multiprocess"}),
     session=session,
     version=package_version("ray", "Ray"),
 )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from rlconform.conformance.backend import CAPABILITIES, Backend, package_version
 
 
-def _transport():
-    from rlconform.reference_impl.dataplane import InMemoryDataPlane
+def _transport(address=None):
+    """The in-memory data plane; servable to rank processes (`address()`), which reopen it
+    with `_transport(address=...)` (reference_impl/served.py)."""
+    from rlconform.reference_impl.served import ServedDataPlane, StoreClient
 
-    return InMemoryDataPlane()
+    return ServedDataPlane() if address is None else StoreClient(address)
 
 
 def _codec(pixel_dtype=None):
@@ -58,6 +60,9 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
         rollout=_rollout,
         capabilities=frozenset(CAPABILITIES) - {"cuda"},
     )
+    if "transport" in overrides and "capabilities" not in overrides:
+        # a replaced transport cannot be reopened by rank processes unless it says so
+        parts["capabilities"] = parts["capabilities"] - {"multiprocess"}
     parts.update(overrides)
     return Backend(**parts)
 

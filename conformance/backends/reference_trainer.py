@@ -4,6 +4,9 @@ The trainer surface contract: `trainer(settings, transport=None, codec=None)` re
 data-plane trainer when a transport is given (every pass from a meta, through that transport
 and codec) and the in-memory (legacy) trainer otherwise; both expose `model` (the policy
 `nn.Module`, so the suite can watch its inputs), `compute_logprobs`, `train` and `state_dict`.
+With `ranks=RankLaunch(...)` (and a transport of capability `multiprocess`) it returns the
+driver's `RankGroup` instead: the passes then run in rank processes (the rank contract is
+reference_impl/ranks.py's docstring).
 The rollout surface: `rollout(family, settings)` with `generate(prompts, images,
 max_new_tokens, seed) -> Batch` (`max_new_tokens` an int or one cap per prompt, 0 allowed) and
 `refit(state_dict)`. The numerics clauses (test_trainer_numerics.py) also watch the trainer's
@@ -14,9 +17,15 @@ parameters before the optimizer step.
 from __future__ import annotations
 
 
-def make_trainer(settings, transport=None, codec=None, model=None):
+def make_trainer(settings, transport=None, codec=None, model=None, ranks=None):
     from rlconform.reference_impl.trainer import DataPlaneTrainer, LegacyTrainer
 
+    if ranks is not None:  # data-parallel ranks as processes: reference_impl/ranks.py
+        from rlconform.reference_impl.ranks import RankGroup
+
+        if transport is None:
+            raise TypeError("ranks= needs a transport: every rank opens it by its address")
+        return RankGroup(ranks, settings, transport, codec)
     if transport is None:
         return LegacyTrainer(settings, model)
     if codec is None:

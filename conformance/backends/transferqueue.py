@@ -74,8 +74,11 @@ def _restore(col, records: list):
 class TransferQueueTransport:
     """The rlconform transport surface over TransferQueue's KV API (see the module docstring)."""
 
-    def __init__(self, namespace: str | None = None, timeout_s: float | None = None):
+    def __init__(self, namespace: str | None = None, timeout_s: float | None = None,
+                 address: dict | None = None):
         self._tq = _tq()
+        if address is not None:  # a rank process: join the driver's Ray cluster and store
+            namespace = _join(address)
         try:
             self._client = self._tq.get_client()
         except AssertionError as exc:
@@ -87,6 +90,13 @@ class TransferQueueTransport:
         self._written: set[str] = set()
         self._wedged = False  # a call timed out: the store is gone, skip cleanup calls
         self._closed = False
+
+    def address(self) -> dict:
+        """Where another process reopens this store: the Ray cluster and this namespace
+        (capability `multiprocess`; `TransferQueueTransport(address=...)` there)."""
+        import ray
+
+        return {"ray": ray.get_runtime_context().gcs_address, "namespace": self._ns}
 
     # -- plumbing ---------------------------------------------------------------------------
     def _pid(self, partition: str) -> str:
@@ -188,6 +198,25 @@ class TransferQueueTransport:
                 with contextlib.suppress(Exception):  # best effort: the store may be half gone
                     self.clear(partition)
         self._closed = True
+
+
+def _join(address: dict) -> str:
+    """Attach this process to the driver's Ray cluster and running TransferQueue (once).
+
+    `tq.init()` with a controller already running only creates this process's client. Never
+    call `tq.close()` from a joining process: it kills the shared controller actor (TQ 0.1.11
+    `interface.close`); the client goes with the process.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address["ray"], log_to_driver=False, configure_logging=False)
+    tq = _tq()
+    try:
+        tq.get_client()
+    except AssertionError:
+        tq.init()
+    return address["namespace"]
 
 
 # -- sessions -----------------------------------------------------------------------------------
@@ -292,7 +321,7 @@ simple_backend = Backend(
     name="transferqueue-simple",
     description="TransferQueue 0.1.11 KV API on SimpleStorage (one storage unit), Ray in process",
     transport=TransferQueueTransport,
-    capabilities=frozenset(CAPABILITIES),
+    capabilities=frozenset(CAPABILITIES | {"multiprocess"}),
     session=simple_session,
     version=package_version("TransferQueue"),
 )

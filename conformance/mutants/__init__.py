@@ -22,7 +22,7 @@ class Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
-_MODULES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout")
+_MODULES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks")
 
 
 def mutant(name: str, defect: str, surface: str):
