@@ -61,6 +61,7 @@ class Backend:
     rollout: Callable[..., Any] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
     session: Callable[[], contextlib.AbstractContextManager] = _no_session
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -86,6 +87,7 @@ class Backend:
             "description": self.description,
             "surfaces": list(self.surfaces),
             "capabilities": sorted(self.capabilities),
+            "notes": dict(self.notes),
         }
 
 

@@ -15,6 +15,9 @@ BUNDLED = {
         ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
     ),
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
+    "trl": ("rlconform.conformance.backends.trl:backend", ("trl==1.16.0",)),
+    "trl-independent-passes": (
+        "rlconform.conformance.backends.trl:independent_backend", ("trl==1.16.0",)),
 }
 
 
