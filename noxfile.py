@@ -58,7 +58,7 @@ def conformance(session: nox.Session) -> None:
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
-    _install(session, "dev", "mooncake")
+    _install(session, "dev", "mooncake", "trl")
     session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), *session.posargs)
 
 
