@@ -85,6 +85,15 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(**VENV)
+def mutant_effects(session: nox.Session) -> None:
+    """How far each trainer and rollout mutant moves the numeric metrics (one step per mutant
+    and family): `nox -s mutant_effects -- --device cuda --dtype bfloat16 --model-size
+    production`. The reference's next report includes the table."""
+    _install(session)
+    session.run("python", "-m", "rlconform.e2e.mutant_effects", *session.posargs)
+
+
+@nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
     """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box)."""
     _install(session)

@@ -29,6 +29,8 @@ def _cmd_backends(a, extra) -> int:
             b = load_backend(name).describe()
             print(f"{name:24} surfaces: {', '.join(b['surfaces'])}")
             print(f"{'':24} capabilities: {', '.join(b['capabilities']) or '-'}")
+            for what, why in b["notes"].items():
+                print(f"{'':24} no {what}: {why}")
         except Exception as exc:  # noqa: BLE001 - listing must go on past a broken backend
             print(f"{name:24} ({spec}) cannot be loaded: {exc}")
     return 0
@@ -90,8 +92,11 @@ def _cmd_gate(a, extra) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlconform", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    from rlconform.conformance.plugin import options_help
+
     r = sub.add_parser("run", help="run the clause suite against a backend; extra args go to "
-                                   "pytest (e.g. --profile ci --device cuda --dtype bfloat16)")
+                                   "pytest (e.g. --profile ci --device cuda --dtype bfloat16)",
+                       epilog=options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--backend", default="reference", help="name, mutant:<name>, module:attr, "
                                                           "or all (every bundled backend)")
     r.add_argument("--workers", default="auto", help="pytest-xdist workers (0: in process)")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._common import (
+    EFFECT_HEADER,
     STATUS_EMOJI,
     STATUS_LABEL,
     flatten,
@@ -20,6 +21,9 @@ from ._common import (
     iter_metrics,
     kill_matrix_columns,
     metric_overview,
+    mutant_effect_caption,
+    mutant_effect_rows,
+    not_tested_lines,
     sorted_clauses,
 )
 from .gate import gate
@@ -122,6 +126,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.extend(fences)
             lines.append("")
 
+    untested = not_tested_lines(report)
+    if untested:
+        lines.append("### Not tested (not applicable to this backend)")
+        lines.extend(f"- {escape(n)}" for n in untested)
+        lines.append("")
     if report.get("deselected"):
         lines.append("### Not run in this report")
         lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")
@@ -185,6 +194,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(_table(["Clause", "Metric", "Kind", "n", "min", "mean", "max"], metric_rows))
         lines.append("")
 
+    effects = report.get("mutant_effects")
+    if effects and effects["rows"]:
+        lines.append("### Mutants' effect on the numeric metrics")
+        lines.append(escape(mutant_effect_caption(effects)))
+        lines.append("")
+        lines.extend(_table(EFFECT_HEADER, [[escape(x) for x in row]
+                                            for row in mutant_effect_rows(effects)]))
+        lines.append("")
+
     km = report.get("kill_matrix")
     if km and km["mutants"]:
         mutants = km["mutants"]
@@ -219,6 +237,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     info = report["backend_info"]
     rows.insert(0, ["backend.surfaces", escape(", ".join(info["surfaces"]))])
     rows.insert(1, ["backend.capabilities", escape(", ".join(info["capabilities"]) or "—")])
+    if info.get("source"):
+        rows.insert(2, ["backend.source", escape(info["source"])])
     lines.extend(_table(["Key", "Value"], rows))
     lines.append("")
     lines.append("</details>")

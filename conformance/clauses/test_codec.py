@@ -158,7 +158,7 @@ def _real_batches():
 def build_family(name):
     from rlconform.fixtures.families import build_family
 
-    return build_family(name)
+    return build_family(name, "tiny")  # as processed_batches(): processors at the tiny size
 
 
 def model_inputs_match(family, features, batch):
