@@ -71,9 +71,19 @@ REQUIREMENTS = (f"trl=={TRL_VERSION}",)
 # GRPOConfig.beta's help cites (DeepSeek-R1); any beta != 0 makes TRL load a reference model
 INDEPENDENT_BETA = 1e-3
 
-_NO_ROLLOUT = ("TRL's own generation path (GRPOTrainer._generate -> transformers generate) "
+_NOTES = {
+    "rollout": "TRL's own generation path (GRPOTrainer._generate -> transformers generate) "
                "returns no per-token logprobs; only its vLLM path does, and vLLM is its own "
-               "backend. The GEN-* clauses pair TRL's trainer with the reference rollout.")
+               "backend. The GEN-* clauses pair TRL's trainer with the reference rollout.",
+    "transport": "TRL has no data plane: GRPOTrainer keeps each generation batch in process "
+                 "memory (_buffered_inputs); the trainer's passes fetch through the reference "
+                 "transport.",
+    "codec": "TRL has no wire format: its batches are in-memory dicts of tensors.",
+    "meta": "TRL has no driver-side batch metadata: one process holds the whole batch.",
+    "batch_ops": "TRL has no sequence truncation, re-padding, validation or stage-input "
+                 "selection of its own to wrap; its micro-batch split and shuffle "
+                 "(trl.trainer.utils) decide the trainer's micro-batches.",
+}
 
 
 @dataclass(frozen=True)
@@ -525,7 +535,7 @@ def _backend(variant: str) -> Backend:
         description=VARIANTS[variant].description,
         trainer=trainer,
         capabilities=frozenset({"cpu"}),
-        notes={"rollout": _NO_ROLLOUT},
+        notes=dict(_NOTES),
     )
 
 
