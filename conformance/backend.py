@@ -31,6 +31,8 @@ CAPABILITIES = {
     "bfloat16": "carries bfloat16 tensors",
     "cpu": "runs on the CPU",
     "cuda": "runs on a CUDA device",
+    "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
+    "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
 }
 
 ENTRY_POINT_GROUP = "rlconform.backends"

@@ -361,6 +361,21 @@ def seed(request) -> int:
     return request.config.getoption("--seed")
 
 
+@pytest.fixture(autouse=True)
+def _release_device_memory(request):
+    """After each test on CUDA, free what its models held: at production widths a trainer
+    (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds its own."""
+    yield
+    if not request.config.getoption("--device").startswith("cuda"):
+        return
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def record_metric(request):
     """`record_metric(name, values, step=None)`: a distribution (tensor/list) or a scalar."""

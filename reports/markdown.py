@@ -83,6 +83,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     )
     lines.append(f"**score {fmt_score(summary['score'])}** · {counts} · {summary['total']} clauses")
     lines.append("")
+    info = report.get("backend_info") or {}
+    if info.get("description"):
+        lines.append(f"Backend: {escape(info['description'])}")
+        lines.append("")
+    shown = {e["name"] for e in report.get("not_tested") or ()}
+    notes = {k: v for k, v in (info.get("notes") or {}).items() if k not in shown}
+    if notes:  # notes on what the backend left out that no clause listed below names
+        lines.append("Not declared: " + "; ".join(f"{escape(k)}: {escape(v)}"
+                                                 for k, v in notes.items()))
+        lines.append("")
 
     if not verdict.ok:
         lines.append("### Why the gate fails")

@@ -15,6 +15,8 @@ BUNDLED = {
         ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
     ),
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
+    # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
+    "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
     "trl": ("rlconform.conformance.backends.trl:backend", ("trl==1.16.0",)),
     "trl-independent-passes": (
         "rlconform.conformance.backends.trl:independent_backend", ("trl==1.16.0",)),

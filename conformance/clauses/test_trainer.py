@@ -75,7 +75,8 @@ class Rollouts:
         if key not in self._batches:
             fam = build_family(family)
             if family not in self._engines:
-                self._engines[family] = HFRollout(fam, self.settings(family))
+                # one engine at a time: at production widths each holds billions of weights
+                self._engines = {family: HFRollout(fam, self.settings(family))}
             prompts, images, _ = make_prompts(n_prompts, list(_images(family, pattern)),
                                               seed=self.seed)
             prompts = [p for p in prompts for _ in range(group)]
@@ -280,7 +281,8 @@ def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
     else:
         batch, _, _ = rollouts.get(family, pattern, n)
     settings = rollouts.settings(family)
-    dp, _, trainer = _step(backend, transport, codec, meta_cls, settings, batch, **dict(kw))
+    # only the outcome is kept: the data-plane trainer is freed before the legacy one is built
+    dp = _step(backend, transport, codec, meta_cls, settings, batch, **dict(kw))[0]
     if "advantages" not in kw:
         kw.update(rewards=_rewards(len(batch)), group_size=GROUP)
     legacy_trainer = backend.trainer(settings)
@@ -322,11 +324,12 @@ def test_truncation_and_dynamic_micro_batches_keep_media(backend, transport, cod
     cut = max(lens) - 2  # the longest completions lose their tail
     assert cut > int(batch["prompt_lengths"].max()), "test setup: truncation cuts a prompt"
     truncated = rollouts.settings(family, max_seq_len=cut, max_tokens_per_micro_batch=3 * cut)
-    out, rec, _ = _step(backend, transport, codec, meta_cls, truncated, batch,
-                        advantages=advantages)
+    # keep the records, not the trainers: one trainer alive at a time (production widths)
+    out, rec = _step(backend, transport, codec, meta_cls, truncated, batch,
+                     advantages=advantages)[:2]
     whole = rollouts.settings(family, micro_batch_size=n)
-    _, rec_whole, _ = _step(backend, transport, codec, meta_cls, whole, batch,
-                            advantages=advantages)
+    rec_whole = _step(backend, transport, codec, meta_cls, whole, batch,
+                      advantages=advantages)[1]
 
     ratio = _record_ratio(record_metric, out)
     problems = media_mismatches(rec.events, batch)
