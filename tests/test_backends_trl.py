@@ -213,15 +213,43 @@ def test_d1_old_pass_over_a_chunk_of_text_rows_in_a_mixed_batch():
 @pytest.mark.xfail(strict=True, reason="D2: split_pixel_values_by_grid takes Idefics3/SmolVLM's "
                    "per-sample pixel_values for per-image ones when sum(num_images) == rows")
 def test_d2_each_micro_batch_holds_its_own_samples_tiles():
-    from rlconform.fixtures.families import build_family
+    batch = rollout("smolvlm", (1, 0, 2))  # num_images [1, 1, 0, 0, 2, 2]: sum == 6 == rows
+    for idx, mb in adapter.TRLBatchOps().micro_batches(batch, len(batch)):
+        why = batch.select(idx).first_difference(mb)
+        assert why is None, f"micro-batch of row {idx}: {why}"
 
-    batch = rollout("smolvlm", (1, 0, 2))  # sum(num_images) == 6 == rows
-    fam = build_family("smolvlm")
-    gen = adapter.trl_inputs(batch, Stage.LOGPROB, torch.float32, fam)
-    assert gen["num_images"] == [1, 1, 0, 0, 2, 2]
-    whole = gen["pixel_values"]
-    for i, mb in enumerate(adapter.trl_micro_batches(gen, len(batch), seed=None)):
-        assert torch.equal(mb["pixel_values"], whole[i:i + 1]), f"row {i} got other tiles"
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "gemma3", "smolvlm", "idefics3",
+                                    "llava", "llava_next"])
+@pytest.mark.parametrize("form", ["packed", "multi_modal_inputs"])
+def test_micro_batches_keep_rows_whole_where_trl_can_hold_them(family, form):
+    """Images only (TRL's GRPO batch has no video or audio keys), B % n == 0 (TRL's config)."""
+    from rlconform.fixtures.synthetic import RowPlan, build_batch
+
+    plan = [RowPlan(7, images=[1, 2]), RowPlan(5, images=[1]), RowPlan(4),
+            RowPlan(6, share_media_of=0)] * 2
+    batch = build_batch(family, plan, media_form=form)
+    ops = adapter.TRLBatchOps()
+    for n, seed in ((1, None), (2, None), (4, 7), (8, 3)):
+        mbs = ops.micro_batches(batch, n, shuffle_seed=seed)
+        flat = [i for idx, _ in mbs for i in idx]
+        assert sorted(flat) == list(range(len(batch))) and len(mbs) == n
+        assert seed is not None or flat == list(range(len(batch)))
+        for idx, mb in mbs:
+            assert batch.select(idx).first_difference(mb) is None, (n, seed, idx)
+    assert [i for i, _ in ops.micro_batches(batch, 4, 7)] == \
+        [i for i, _ in ops.micro_batches(batch, 4, 7)], "the same seed, other micro-batches"
+
+
+def test_micro_batches_refuse_what_trl_cannot_be_configured_for():
+    from rlconform.fixtures.synthetic import RowPlan, build_batch
+
+    ops = adapter.TRLBatchOps()
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        ops.micro_batches(build_batch("gemma3", [RowPlan(4, images=[1])] * 3), 2)
+    video = build_batch("qwen2_5_vl", [RowPlan(6, images=[1], videos=[2])] * 2)
+    with pytest.raises(NotImplementedError, match="pixel_values_videos"):
+        ops.micro_batches(video, 2)
 
 
 D3_TEMPLATE = (

@@ -80,9 +80,8 @@ _NOTES = {
                  "transport.",
     "codec": "TRL has no wire format: its batches are in-memory dicts of tensors.",
     "meta": "TRL has no driver-side batch metadata: one process holds the whole batch.",
-    "batch_ops": "TRL has no sequence truncation, re-padding, validation or stage-input "
-                 "selection of its own to wrap; its micro-batch split and shuffle "
-                 "(trl.trainer.utils) decide the trainer's micro-batches.",
+    "batch_algebra": "TRL has no select / concat / split of whole batches; its only batch "
+                     "operation is the micro-batch split and shuffle (micro_batching).",
 }
 
 
@@ -132,9 +131,15 @@ def _num_images(batch, family) -> list[int] | None:
         return None
     spec = batch.family_spec
     if spec is not None and spec.pack_dim("pixel_values") == 1:
-        gid = family.tokenizer.convert_tokens_to_ids("<global-img>")
-        return [int((batch["input_ids"][i] == gid).sum()) for i in range(len(batch))]
-    return [0 if pv.is_none(i) else len(pv.row_segments(i)) for i in range(len(pv))]
+        # a batch that did not come from the processor (synthetic rows) has no such token: a
+        # row with tiles then counts as one image (its image count is not recorded anywhere)
+        gid = -1 if family is None else family.tokenizer.convert_tokens_to_ids("<global-img>")
+        return [0 if pv.is_none(i) else max(1, int((batch["input_ids"][i] == gid).sum()))
+                for i in range(len(batch))]
+    # one grid row per image (Qwen-VL), else one dim-0 entry per image (Gemma3, LLaVA, -NeXT)
+    per_image = batch.fields.get("image_grid_thw", pv)
+    return [0 if per_image.is_none(i) else sum(s.shape[0] for s in per_image.row_segments(i))
+            for i in range(len(pv))]
 
 
 def trl_inputs(batch, stage, dtype, family) -> dict[str, Any]:
@@ -445,6 +450,148 @@ def _without_none(batch):
 
 
 # ---------------------------------------------------------------------------------------------
+# The batch_ops surface: TRL's micro-batching
+# ---------------------------------------------------------------------------------------------
+# the packed media keys GRPOTrainer keeps in its generation batch (_generate_and_score_completions'
+# output dict) that rlconform's fixtures emit; any other packed field has no place there
+_TRL_MEDIA = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+_ROWS, _SHAPES = "__rlconform_rows", "__rlconform_shapes:"
+_NO_OP = ("TRL {v} has no {what} of its own to wrap (GRPOTrainer pads prompts and completions "
+          "with trl.trainer.utils.pad at generation and never {does} a built batch)")
+
+
+class TRLBatchOps:
+    """`micro_batches` through TRL's own helpers (capability `micro_batching`).
+
+    The batch becomes TRL's generation-batch dict: tensors as they are, object columns as
+    per-row lists (TRL moves any per-row list with its row), image media as the model-input
+    tensors TRL holds (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, `image_sizes`)
+    plus `num_images`. TRL's split_pixel_values_by_grid -> shuffle_sequence_dict (seeded) ->
+    split_tensor_dict -> unsplit_pixel_values_by_grid make the micro-batches; two observer keys
+    ride along as per-row values (each row's index and its media segment shapes), so each
+    micro-batch is turned back into a Batch by the exact inverse of `as_tensor()`: if TRL moved
+    media rows without their sample, the rebuilt rows hold other samples' media.
+    The other batch_ops methods have no TRL counterpart and raise.
+    """
+
+    name = "trl"
+
+    def truncate(self, batch, max_len):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="sequence truncation",
+                                                does="truncates"))
+
+    def pad_to(self, batch, seq_len):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="re-padding of a batch",
+                                                does="re-pads"))
+
+    def validate(self, batch):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="batch validator",
+                                                does="validates"))
+
+    def multimodal_inputs(self, batch, stage, dtype=None):
+        raise NotImplementedError(
+            f"TRL {TRL_VERSION} has no per-stage input selection: every pass of GRPOTrainer "
+            "gets the same forward kwargs")
+
+    def micro_batches(self, batch, n: int, shuffle_seed: int | None = None):
+        import torch
+
+        b = len(batch)
+        if not 1 <= n <= max(b, 1):
+            raise ValueError(f"micro-batch count n={n} must be in 1..{b} (the batch size)")
+        if b % n:
+            raise ValueError(
+                f"TRL splits a generation batch only into equal micro-batches: GRPOConfig "
+                f"requires the generation batch ({b} rows) to be a multiple of "
+                f"per_device_train_batch_size, so {n} micro-batches are not a TRL "
+                f"configuration (split_tensor_dict would silently drop the last {b % n} rows)")
+        gen = _to_trl(batch)
+        gen[_ROWS] = torch.arange(b)
+        chunks = trl_micro_batches(gen, n, shuffle_seed)
+        return [([int(i) for i in c[_ROWS]], _from_trl(c, batch)) for c in chunks]
+
+
+def _to_trl(batch) -> dict:
+    from torch import Tensor
+
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    out: dict = {}
+    for name, v in batch.fields.items():
+        if isinstance(v, Tensor):
+            out[name] = v
+        elif isinstance(v, ObjectColumn):
+            out[name] = [None if r is None else dict(r) for r in v.rows]
+        elif isinstance(v, PackedTensor):
+            empty = all(v.is_none(i) for i in range(len(v)))
+            if name not in _TRL_MEDIA and not empty:  # (a field with no media has no tensor)
+                raise NotImplementedError(
+                    f"TRL {TRL_VERSION}'s GRPO generation batch has no key for packed field "
+                    f"{name!r}: GRPOTrainer carries only {', '.join(_TRL_MEDIA)} (and "
+                    "spatial_shapes, image_position_ids, token type ids) between its passes")
+            t = v.as_tensor()
+            if t is not None:
+                out[name] = t
+            out[_SHAPES + name] = [v.segment_shapes(i) for i in range(len(v))]
+        else:
+            raise TypeError(f"field {name!r} is a {type(v).__name__}")
+    try:
+        from rlconform.fixtures.families import build_family
+
+        family = build_family(batch.family)
+    except (KeyError, TypeError):
+        family = None  # a registry family without a fixture: no tokenizer to count images by
+    n = _num_images(batch, family)
+    if n is not None and "pixel_values" in out:
+        out["num_images"] = n
+    return out
+
+
+def _from_trl(chunk: dict, like):
+    """A TRL micro-batch back to a Batch: media rows cut from the model-input tensors by the
+    shapes that travelled with each row (the inverse of PackedTensor.as_tensor)."""
+    from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    fields = {}
+    for name, v in like.fields.items():
+        if isinstance(v, PackedTensor):
+            fields[name] = _rebuild(chunk.get(name), chunk[_SHAPES + name], v.pack_dim)
+        elif isinstance(v, ObjectColumn):
+            fields[name] = ObjectColumn(list(chunk[name]))
+        else:
+            fields[name] = chunk[name]
+    return Batch(fields, like.family, dict(like.extra))
+
+
+def _rebuild(t, shapes_per_row: list, pack_dim: int):
+    from rlconform.reference_impl.packed import PackedTensor
+
+    def crop(x, shape):
+        return x[tuple(slice(0, d) for d in shape)]
+
+    rows, cursor = [], 0
+    for i, shapes in enumerate(shapes_per_row):
+        if shapes is None:
+            rows.append(None)
+            continue
+        if pack_dim == 0:
+            segs = []
+            for shape in shapes:
+                segs.append(crop(t[cursor:cursor + shape[0]], shape))
+                cursor += shape[0]
+        else:
+            row, start, segs = t[i], 0, []
+            for shape in shapes:
+                segs.append(crop(row[start:start + shape[0]], shape))
+                start += shape[0]
+        rows.append(segs)
+    return PackedTensor.from_rows(rows, pack_dim=pack_dim)
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer surface
 # ---------------------------------------------------------------------------------------------
 _OUTPUT = {"logprob": "prev_logprobs", "reference_logprob": "reference_logprobs"}
@@ -534,7 +681,8 @@ def _backend(variant: str) -> Backend:
         name=variant,
         description=VARIANTS[variant].description,
         trainer=trainer,
-        capabilities=frozenset({"cpu"}),
+        batch_ops=TRLBatchOps,
+        capabilities=frozenset({"cpu", "micro_batching"}),
         notes=dict(_NOTES),
     )
 
