@@ -132,6 +132,10 @@ def test_default_computes_no_old_or_reference_logprobs_and_forces_the_ratio():
     assert ratio.numel() == int(batch["token_mask"].sum())
     assert bool((ratio == 1.0).all()), "old_per_token_logps = per_token_logps.detach()"
     assert out.grad_norm > 0
+    # a prev column from elsewhere is not TRL's: its generation batch has no old logprobs here
+    given = batch.replace(prev_logprobs=torch.full(batch["input_ids"].shape, -9.0),
+                          advantages=torch.linspace(-1, 1, len(batch)))
+    assert bool((legacy.train(given).metrics["probs_ratio"] == 1.0).all())
 
 
 @pytest.mark.parametrize("family,images", [("text", (0, 0, 0)), ("qwen2_vl", (1, 2)),

@@ -382,6 +382,11 @@ class TRLCore:
         total = 0.0
         metrics: dict[str, list] = {}
         for r, gen in enumerate(gens):
+            # TRL's generation batch holds old / reference logprobs only where TRL computes them
+            if not self.runs_pass(_stage().LOGPROB, len(shards[r])):
+                gen.pop("old_per_token_logps", None)
+            if not self.runs_pass(_stage().REFERENCE_LOGPROB, len(shards[r])):
+                gen.pop("ref_per_token_logps", None)
             _, n = self._configure(len(shards[r]))
             gen["num_items_in_batch"] = torch.as_tensor(items)
             for mb in trl_micro_batches(gen, n, self.step_seed(r)):
