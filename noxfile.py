@@ -26,7 +26,10 @@ def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] =
     if not SYSTEM_TORCH:
         session.install(*CONSTRAINTS, "torch==2.13.0")
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install(*CONSTRAINTS, target, *backend_reqs)
+    session.install(*CONSTRAINTS, target, *[r for r in backend_reqs if " " not in r])
+    no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
+    if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
+        session.install(*CONSTRAINTS, "--no-deps", *no_deps)
 
 
 def _backend_requirements(posargs: list[str]) -> tuple[str, ...]:
@@ -58,8 +61,19 @@ def conformance(session: nox.Session) -> None:
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
-    _install(session, "dev", "mooncake", "trl")
-    session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), *session.posargs)
+    _install(session, "dev", "mooncake", "openrlhf", "trl")
+    session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
+    session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)),
+                "--ignore", "tests/test_backends_verl.py", *session.posargs)
+    session.notify("tests_verl")
+
+
+@nox.session(**VENV)
+def tests_verl(session: nox.Session) -> None:
+    """The verl adapter's own tests, in their own venv: verl pins tensordict<=0.10.0, while the
+    tests session keeps the newer tensordict that TransferQueue and Mooncake run with here."""
+    _install(session, backend_reqs=_backend_requirements(["--backend", "verl"]))
+    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", *session.posargs)
 
 
 @nox.session(**VENV)

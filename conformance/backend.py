@@ -87,6 +87,9 @@ class Backend:
     # where the backend was loaded from (`module:attr`, a bundled name's target, or
     # `mutant:<name>`); set by `load_backend`, recorded in reports to keep report folders apart
     source: str = ""
+    # the version of the system under test ("OpenRLHF 0.11.2", "NeMo-RL 0.5 at commit 7ea279a"):
+    # reports record it in backend_info, the scoreboard shows it
+    version: str = ""
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -131,7 +134,18 @@ class Backend:
             "capabilities": sorted(self.capabilities),
             "notes": dict(self.notes),
             "source": self.source,
+            **({"version": self.version} if self.version else {}),
         }
+
+
+def package_version(dist: str, label: str | None = None) -> str:
+    """`"<label> <installed version of dist>"` for `Backend.version`; "" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{label or dist} {version(dist)}"
+    except PackageNotFoundError:
+        return ""
 
 
 def _load_attr(spec: str) -> Any:

@@ -16,7 +16,7 @@ from rlconform.conformance import catalogue
 
 SCHEMA_VERSION = "1.0"
 KEY_PACKAGES = ("rlconform", "torch", "transformers", "tokenizers", "hypothesis", "pytest",
-                "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy")
+                "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy", "verl")
 
 
 def _version(pkg: str) -> str | None:

@@ -501,4 +501,5 @@ def backend() -> Backend:
         batch_ops=NemoRLBatchOps,
         capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "dp"}),
         notes=dict(NOTES),
+        version=_version(),
     )

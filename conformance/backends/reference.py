@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlconform.conformance.backend import CAPABILITIES, Backend
+from rlconform.conformance.backend import CAPABILITIES, Backend, package_version
 
 
 def _transport():
@@ -62,4 +62,4 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
     return Backend(**parts)
 
 
-backend = build()
+backend = build(version=package_version("rlconform"))

@@ -92,6 +92,7 @@ def test_dp_shards(meta_cls, n, world, seed):
         assert s.extra.get("step") == 3, "shard lost the meta's extras"
     restored = meta_cls.concat(shards).subset(inverse)
     assert restored.keys == m.keys, "the inverse permutation does not restore the order"
+    assert restored.tags == m.tags, "concatenating the shards (a DP collect) lost or changed tags"
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= 1, f"shard sizes {sizes} are unbalanced"
     tokens = [sum(s.seq_lens) for s in shards]
