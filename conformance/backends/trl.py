@@ -63,7 +63,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, package_version
 
 TRL_VERSION = "1.16.0"
 REQUIREMENTS = (f"trl=={TRL_VERSION}",)
@@ -689,6 +689,7 @@ def _backend(variant: str) -> Backend:
         batch_ops=TRLBatchOps,
         capabilities=frozenset({"cpu", "micro_batching"}),
         notes=dict(_NOTES),
+        version=package_version("trl", "TRL"),
     )
 
 
