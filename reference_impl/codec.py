@@ -6,8 +6,9 @@ what the encoder recorded and never from the data: rows that happen to share a s
 densified, `None` rows come back as `None`, not as `(0, ...)` tensors. Per-token fields travel
 jagged by sequence length (row i is `(len_i, *other dims)`, cut on the field's registered
 sequence dim); per-sample fields as they are. An object column (per-row dicts of media) travels
-flattened: one jagged column `<field>.<key>` per dict key, with each row's keys, shapes and
-list-ness on its tag (`None` for a None row, `{}` for an empty dict), so it decodes exactly.
+flattened: a dense int8 column `<field>` (1: a dict row, 0: a None row) that selects the field,
+one jagged column `<field>.<key>` per dict key, and each row's keys, shapes and list-ness on its
+tag (`None` for a None row, `{}` for an empty dict), so it decodes exactly.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class ReferenceCodec:
                 if not isinstance(v, ObjectColumn):
                     raise TypeError(f"object field {name!r} must be an ObjectColumn, got "
                                     f"{type(v).__name__}")
+                columns[name] = torch.tensor([r is not None for r in v.rows], dtype=torch.int8)
                 columns.update(self._encode_object(name, v, tags, fam))
             else:
                 columns[name] = v.detach().clone()
@@ -192,8 +194,8 @@ class ReferenceCodec:
                 continue
             fs = spec(name)
             if fs.kind is Kind.OBJECT:
-                raise KeyError(f"wire column {name!r} names object field {name!r} without a key; "
-                               f"object columns travel as '{name}{OBJECT_SEP}<key>'")
+                objects.setdefault(name, {})
+                continue
             if fs.kind is Kind.PACKED:
                 fields[name] = self._decode_packed(name, col, wire.tags)
             elif fs.kind is Kind.PER_TOKEN:
@@ -202,11 +204,11 @@ class ReferenceCodec:
                 if col.is_nested:
                     raise TypeError(f"per-sample column {name!r} arrived jagged; it was dense")
                 fields[name] = col.clone()
-        # an object field travels in its tags even when no row has a key (every row {} or None)
-        tagged = {n for t in wire.tags for n in t
-                  if n in FIELDS and FIELDS[n].kind is Kind.OBJECT}
-        for name in sorted(tagged | set(objects)):
-            fields[name] = self._decode_object(name, objects.get(name, {}), wire.tags)
+        for name, cols in objects.items():  # an object field is fetched by its own column
+            if name not in wire.columns:
+                raise KeyError(f"wire columns {sorted(f'{name}{OBJECT_SEP}{k}' for k in cols)} "
+                               f"came without object field {name!r}'s own column; fetch both")
+            fields[name] = self._decode_object(name, cols, wire.tags, wire.columns[name])
         if "input_lengths" not in fields:
             raise KeyError("wire batch lacks the 'input_lengths' column")
         got = fields["input_lengths"].tolist()
@@ -248,8 +250,11 @@ class ReferenceCodec:
             per_row.append([p.reshape(s).clone() for p, s in zip(flat.split(sizes), shapes)])
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
-    def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict]
-                       ) -> ObjectColumn:
+    def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict],
+                       present: Tensor) -> ObjectColumn:
+        if present.is_nested or present.dim() != 1:
+            raise TypeError(f"object field {name!r}'s own column must be dense (B,), got "
+                            f"{'jagged' if present.is_nested else list(present.shape)}")
         for key, col in cols.items():
             if not col.is_nested:
                 raise TypeError(f"object column '{name}{OBJECT_SEP}{key}' arrived dense "
@@ -261,6 +266,10 @@ class ReferenceCodec:
             if meta is not None and not isinstance(meta, dict):
                 raise ValueError(f"row {i}'s tag for object field {name!r} is a "
                                  f"{type(meta).__name__}; expected a dict or None")
+            if bool(present[i]) != (meta is not None):
+                raise ValueError(f"object field {name!r} row {i}: its column says "
+                                 f"{'a dict' if present[i] else 'None'}, its tag "
+                                 f"{'None' if meta is None else 'a dict'}")
             unknown = sorted(set(meta or {}) - set(unbound))
             if unknown:
                 raise KeyError(f"row {i}'s tag names keys {unknown} of object field {name!r} "

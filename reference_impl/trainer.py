@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .codec import WireBatch
+from .codec import WireBatch, column_field
 from .loss import grpo_loss
 from .registry import FAMILIES, Stage, stage_fields
 from .rollout import registry_family
@@ -272,8 +272,11 @@ class DataPlaneTrainer(_Trainer):
         self.codec = codec
 
     def stage_fields(self, meta, stage: Stage) -> list[str]:
-        """What `stage` fetches: every registered field it consumes that the meta holds."""
-        return [f for f in stage_fields(stage) if f in meta.fields]
+        """What `stage` fetches: every registered field it consumes that the meta holds (and the
+        `<field>.<key>` wire columns of an object field it consumes)."""
+        wanted = stage_fields(stage)
+        return [f for f in wanted if f in meta.fields] + [
+            c for c in meta.fields if column_field(c) != c and column_field(c) in wanted]
 
     def fetch(self, meta, stage: Stage) -> Batch:
         cols, tags = self.transport.get(meta.partition, meta.keys,

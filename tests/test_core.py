@@ -1354,7 +1354,8 @@ class TestCodecObjects:
     def test_round_trip_keeps_empty_dict_and_none(self, into):
         o = _qwen().to_row_dicts(into)
         wire = CODEC.encode(o)
-        assert f"{into}.pixel_values" in wire.columns and into not in wire.columns
+        assert f"{into}.pixel_values" in wire.columns
+        assert wire.columns[into].tolist() == [1, 1, 0 if into == "mm_train_inputs" else 1, 1]
         assert wire.tags[2][into] == ({} if into == "multi_modal_inputs" else None)
         assert wire.tags[0][into]["pixel_values"] == {"shape": [12, 1176]}
         assert wire.columns[f"{into}.pixel_values"].unbind()[2].numel() == 0
@@ -1362,8 +1363,10 @@ class TestCodecObjects:
         assert CODEC.decode(_through_transport(wire)) == o
         free = build_batch("qwen2_vl", [RowPlan(3), RowPlan(4)]).to_row_dicts(into)
         wire = CODEC.encode(free)
-        assert not [c for c in wire.columns if c.startswith(into)]  # travels in the tags only
+        assert [c for c in wire.columns if c.startswith(into)] == [into]  # no key columns
         assert CODEC.decode(wire) == free
+        partial = {k: v for k, v in wire.columns.items() if k != into}  # field not fetched
+        assert into not in CODEC.decode(WireBatch(partial, wire.tags))
 
     def test_list_values_and_bits(self):
         rows = [{"pixel_values": [torch.tensor([[float("nan"), -0.0]]), torch.ones(2, 3)]},
@@ -1411,7 +1414,12 @@ class TestCodecObjects:
         dense["multi_modal_inputs.image_grid_thw"] = torch.zeros(4, 3, dtype=torch.long)
         with pytest.raises(TypeError, match="'multi_modal_inputs.image_grid_thw' arrived dense"):
             decode(columns=dense)
-        with pytest.raises(KeyError, match="names object field 'multi_modal_inputs' without a key"):
+        with pytest.raises(KeyError, match="came without object field 'multi_modal_inputs'"):
+            decode(columns={k: v for k, v in wire.columns.items() if k != "multi_modal_inputs"})
+        with pytest.raises(ValueError, match="row 2: its column says None, its tag a dict"):
+            decode(columns={**wire.columns, "multi_modal_inputs": torch.tensor(
+                [1, 1, 0, 1], dtype=torch.int8)})
+        with pytest.raises(TypeError, match="own column must be dense"):
             decode(columns={**wire.columns, "multi_modal_inputs": wire.columns[col]})
         with pytest.raises(KeyError, match="'bogus.pixel_values' is not registered"):
             decode(columns={**wire.columns, "bogus.pixel_values": wire.columns[col]})
@@ -1477,3 +1485,42 @@ class TestBatchAlgebra:
                 "second_per_grid_ts")])
         with pytest.raises(KeyError, match="cannot concat batches with fields"):
             Batch.concat([q, q.to_row_dicts()])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3", "llava_next"])
+def test_row_dicts_are_what_the_processor_emits_per_sample(family):
+    """verl's multi_modal_inputs / OpenRLHF's mm_train_inputs hold the processor's output for one
+    sample: our per-row dicts of a real processor batch equal exactly that, except where one
+    tensor cannot give the images back (LLaVA-NeXT images of differing patch counts: a list)."""
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+    from rlconform.fixtures.processed import to_batch
+
+    fam = build_family(family)
+    prompts, images, _ = make_prompts(3, [2, 1, 0], seed=0)
+    batch = to_batch(fam, dict(fam.process(prompts, images)), [len(i) for i in images])
+    rows = batch.to_row_dicts("mm_train_inputs")["mm_train_inputs"]
+    assert rows[2] is None
+    for i in (0, 1):
+        one = dict(fam.process([prompts[i]], [images[i]]))
+        for key, value in rows[i].items():
+            if isinstance(value, list):
+                assert family == "llava_next" and i == 0, (family, i, key)
+                assert torch.equal(PackedTensor.from_rows([value]).as_tensor(), one[key])
+                continue
+            assert value.shape == one[key].shape and torch.equal(value, one[key]), (i, key)
+
+
+def test_data_plane_trainer_fetches_object_columns():
+    """A stage's fetch list names the `<field>.<key>` wire columns of an object field it uses,
+    so media written as per-row dicts are not left behind (the text-only train fetch)."""
+    from types import SimpleNamespace
+
+    from rlconform.reference_impl.trainer import DataPlaneTrainer
+
+    wire = CODEC.encode(_qwen().to_row_dicts())
+    meta = SimpleNamespace(fields=list(wire.columns))
+    for stage in Stage:
+        got = DataPlaneTrainer.stage_fields(None, meta, stage)
+        assert {"multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw",
+                "input_ids", "position_ids"} <= set(got), (stage, got)
