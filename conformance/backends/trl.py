@@ -643,10 +643,12 @@ class TRLDataPlaneTrainer(_TRLTrainer):
         self.codec = codec
 
     def fetch(self, meta, stage):
-        from rlconform.reference_impl.codec import WireBatch
+        from rlconform.reference_impl.codec import WireBatch, column_field
         from rlconform.reference_impl.registry import stage_fields
 
-        fields = [f for f in stage_fields(stage) if f in meta.fields]
+        wanted = stage_fields(stage)  # the reference's rule, object fields' wire columns too
+        fields = [f for f in wanted if f in meta.fields] + [
+            c for c in meta.fields if column_field(c) != c and column_field(c) in wanted]
         cols, tags = self.transport.get(meta.partition, meta.keys, select_fields=fields)
         return self.codec.decode(WireBatch(cols, tags))
 
