@@ -57,8 +57,8 @@ class Backend:
     | `codec`     | `(pixel_dtype: torch.dtype \| None = None)`         | an object with `encode(Batch) -> WireBatch`, `decode(WireBatch) -> Batch`; `pixel_dtype` casts POLICY media once, at encode |
     | `meta`      | `()`                                                | a *class* with BatchMeta's constructor and algebra (`subset`, `slice`, `concat`, `drop`, `with_fields`, `stamp_tags`, `shard_for_dp`); every method returns that class |
     | `batch_ops` | `()`                                                | an object with `truncate`, `pad_to`, `validate`, `multimodal_inputs` (reference: `reference_impl.batch.BatchOps`) |
-    | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model`, `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer.py) |
-    | `rollout`   | `(family, settings)`                                | `generate(prompts, images, max_new_tokens, seed) -> Batch`, `refit(state_dict)` |
+    | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model` (the policy module its passes run and its backward accumulates into; clauses hook its logits and gradients), `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer.py) |
+    | `rollout`   | `(family, settings)`                                | `generate(prompts, images, max_new_tokens, seed) -> Batch` (`max_new_tokens`: an int, or one cap per prompt, 0 allowed; EOS may end a completion early), `refit(state_dict)` |
 
     rlconform composes a backend with the reference for the surfaces it lacks, so every clause
     runs inside a whole step; a clause applies only where its surface is provided and its
