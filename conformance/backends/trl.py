@@ -1,0 +1,703 @@
+"""TRL 1.16.0's `GRPOTrainer` as an rlconform trainer backend (two configurations).
+
+The passes run TRL's own code; the adapter only builds TRL's inputs and reads TRL's outputs.
+
+| rlconform need | TRL 1.16.0 (`trl.trainer`) |
+|---|---|
+| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ...,
+  batch_size=per_device_train_batch_size)` under `torch.no_grad()` and
+  `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it; the
+  pass runs only when TRL's own condition says so (old logprobs: `gradient_accumulation_steps %
+  (steps_per_generation * num_iterations) != 0`, or vLLM IS correction; reference: `beta != 0`);
+  otherwise the pass returns `None` (in memory) or the meta unchanged (data plane) |
+| which rows each train micro-batch holds | `utils.split_pixel_values_by_grid`, `shuffle_sequence_dict`,
+  `split_tensor_dict(batch, steps_per_generation)`, `unsplit_pixel_values_by_grid`, in the
+  order of `GRPOTrainer._prepare_inputs` |
+| train loss | `GRPOTrainer.compute_loss` (-> `_compute_loss`) per micro-batch, then
+  `accelerator.backward` (TRL sets `loss_is_scaled_for_ga`, so HF's `training_step` divides
+  nothing), `accelerator.clip_grad_norm_`, the optimizer of `Trainer.create_optimizer` |
+| per-token probs_ratio, clamped ratio, KL | not exposed by TRL: the train pass wraps
+  `_get_per_token_logps_and_entropies` to capture the per-token logprobs `_compute_loss`
+  uses, and applies `_compute_loss`'s own rule: `old = inputs.get("old_per_token_logps")`,
+  else `per_token_logps.detach()`; ratio `exp(logp - old)` (token level), clamped to
+  `[1 - epsilon_low, 1 + epsilon_high]`; KL `exp(ref - logp) - (ref - logp) - 1` |
+
+TRL's batch layout is `prompt_ids | completion_ids` with `logits_to_keep = completion length`.
+rlconform's batches are right padded, prompt lengths differ per row, and the logprob fetch does
+not carry them, so the adapter gives TRL the whole sequence after the first token as the
+"completion" (`logits_to_keep = S - 1`, `completion_mask` = attention) and the loss tokens as
+TRL's `tool_mask` (the completion tokens `_compute_loss` masks in: `completion_mask *
+tool_mask`); `num_items_in_batch` is TRL's `loss_mask.sum()` over every data-parallel shard
+(TRL gathers it across ranks). The engine's logprobs travel as TRL's `sampling_per_token_logps`
+(unused by the loss in these configurations). A generation batch is the shard padded to its own
+longest row (TRL pads a generation batch to its longest); micro-batches keep that width.
+
+Data-parallel shards run in one process: TRL's DDP averages the gradients of W ranks that
+each normalise by `num_items_in_batch / W` (dapo), which equals the in-process sum of the
+shards' losses normalised by `num_items_in_batch` with `num_processes = 1`.
+
+Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` -> per_device_train_batch_size,
+`lr`, `clip_low`/`clip_high` -> `epsilon`/`epsilon_high`, `kl_coef` -> `beta`, `max_grad_norm`,
+`seed`; `dtype` bfloat16 -> `bf16=True`, float32 -> `bf16=False`, since TRL's default `bf16=True`
+autocasts an fp32 model to bf16); one `train` is one optimizer step over a generation batch of
+`per_device_train_batch_size x steps_per_generation` rows (`gradient_accumulation_steps =
+steps_per_generation`). TRL needs the generation batch to be a multiple of the micro-batch
+size; where it is not, the micro-batch size is the largest divisor of the shard's rows that is
+<= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the global RNG; the adapter seeds
+it per (step, shard) from `seed` inside a forked RNG, so both trainer paths shuffle alike.
+Settings TRL has no counterpart for (`max_seq_len`, `max_tokens_per_micro_batch`) raise.
+
+The policy is built from the family's config, saved with its processor, and reloaded from that
+folder, because with `beta > 0` TRL reloads the reference model from `config._name_or_path`.
+
+No rollout surface: TRL's own generation (`GRPOTrainer._generate`, transformers `generate`)
+returns no per-token logprobs; only its vLLM path does, and vLLM is a separate backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from rlconform.conformance.backend import Backend, package_version
+
+TRL_VERSION = "1.16.0"
+REQUIREMENTS = (f"trl=={TRL_VERSION}",)
+# the KL coefficient of the independent-passes variant when the settings ask for none: the value
+# GRPOConfig.beta's help cites (DeepSeek-R1); any beta != 0 makes TRL load a reference model
+INDEPENDENT_BETA = 1e-3
+
+_NOTES = {
+    "rollout": "TRL's own generation path (GRPOTrainer._generate -> transformers generate) "
+               "returns no per-token logprobs; only its vLLM path does, and vLLM is its own "
+               "backend. The GEN-* clauses pair TRL's trainer with the reference rollout.",
+    "transport": "TRL has no data plane: GRPOTrainer keeps each generation batch in process "
+                 "memory (_buffered_inputs); the trainer's passes fetch through the reference "
+                 "transport.",
+    "codec": "TRL has no wire format: its batches are in-memory dicts of tensors.",
+    "meta": "TRL has no driver-side batch metadata: one process holds the whole batch.",
+    "batch_algebra": "TRL has no select / concat / split of whole batches; its only batch "
+                     "operation is the micro-batch split and shuffle (micro_batching).",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    description: str
+    num_iterations: int = 1
+    beta: float | None = None  # None: settings.kl_coef
+
+
+VARIANTS = {
+    "trl": Variant(
+        "trl",
+        f"TRL {TRL_VERSION} GRPOTrainer, default GRPO configuration (num_iterations=1, "
+        "beta=kl_coef, loss_type='dapo'): TRL computes no old logprobs "
+        "(old_per_token_logps = per_token_logps.detach()) and, with beta 0, no reference "
+        "logprobs"),
+    "trl-independent-passes": Variant(
+        "trl-independent-passes",
+        f"TRL {TRL_VERSION} GRPOTrainer with num_iterations=2 and beta=kl_coef (or "
+        f"{INDEPENDENT_BETA:g}): TRL computes old and reference logprobs in their own passes "
+        "(the surface runs the first of the two iterations each step)",
+        num_iterations=2, beta=INDEPENDENT_BETA),
+}
+
+
+def _stage():
+    from rlconform.reference_impl.registry import Stage
+
+    return Stage
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL's generation batch <-> rlconform batches
+# ---------------------------------------------------------------------------------------------
+def _num_images(batch, family) -> list[int] | None:
+    """Images per row, as TRL's `num_images` (None for a batch without any image, as TRL).
+
+    Families that pack one segment per image give it directly; Idefics3/SmolVLM pack one
+    segment of tiles per row, and their prompt holds one `<global-img>` token per image.
+    """
+    from rlconform.reference_impl.packed import PackedTensor
+
+    pv = batch.fields.get("pixel_values")
+    if not isinstance(pv, PackedTensor) or all(pv.is_none(i) for i in range(len(pv))):
+        return None
+    spec = batch.family_spec
+    if spec is not None and spec.pack_dim("pixel_values") == 1:
+        # a batch that did not come from the processor (synthetic rows) has no such token: a
+        # row with tiles then counts as one image (its image count is not recorded anywhere)
+        gid = -1 if family is None else family.tokenizer.convert_tokens_to_ids("<global-img>")
+        return [0 if pv.is_none(i) else max(1, int((batch["input_ids"][i] == gid).sum()))
+                for i in range(len(batch))]
+    # one grid row per image (Qwen-VL), else one dim-0 entry per image (Gemma3, LLaVA, -NeXT)
+    per_image = batch.fields.get("image_grid_thw", pv)
+    return [0 if per_image.is_none(i) else sum(s.shape[0] for s in per_image.row_segments(i))
+            for i in range(len(pv))]
+
+
+def trl_inputs(batch, stage, dtype, family) -> dict[str, Any]:
+    """TRL's generation-batch dict for `batch` (see the module docstring for the layout)."""
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    out: dict[str, Any] = {"prompt_ids": ids[:, :1], "prompt_mask": attn[:, :1],
+                           "completion_ids": ids[:, 1:], "completion_mask": attn[:, 1:]}
+    out.update(batch.multimodal_inputs(stage, dtype))
+    n = _num_images(batch, family)
+    if n is not None:
+        out["num_images"] = n
+    if stage is _stage().TRAIN:
+        out["tool_mask"] = batch["token_mask"][:, 1:].to(attn.dtype)
+        out["advantages"] = batch["advantages"].float()
+        for name, key in (("prev_logprobs", "old_per_token_logps"),
+                          ("reference_logprobs", "ref_per_token_logps"),
+                          ("generation_logprobs", "sampling_per_token_logps")):
+            if name in batch.fields:
+                out[key] = batch[name][:, 1:].float()
+    return out
+
+
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def micro_batch_size(rows: int, wanted: int) -> int:
+    """The largest divisor of `rows` that is <= `wanted` (TRL's generation batch is always
+    per_device_train_batch_size x steps_per_generation rows)."""
+    if wanted <= 0:
+        raise ValueError(f"micro_batch_size must be positive, got {wanted}")
+    return max(d for d in range(1, min(wanted, max(rows, 1)) + 1) if rows % d == 0)
+
+
+def trl_micro_batches(gen: dict[str, Any], chunks: int, seed: int | None) -> list[dict]:
+    """The micro-batches `GRPOTrainer._prepare_inputs` makes of a generation batch: TRL's
+    split_pixel_values_by_grid -> shuffle_sequence_dict -> split_tensor_dict ->
+    unsplit_pixel_values_by_grid. `seed` None: no shuffle (TRL always shuffles; the batch_ops
+    surface exposes the unshuffled split too)."""
+    import torch
+    from trl.trainer.utils import (
+        shuffle_sequence_dict,
+        split_pixel_values_by_grid,
+        split_tensor_dict,
+        unsplit_pixel_values_by_grid,
+    )
+
+    gen = split_pixel_values_by_grid(gen)
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            gen = shuffle_sequence_dict(gen)
+    return [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(gen, chunks)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer core: one GRPOTrainer, its passes
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_global_rng():
+    """GRPOTrainer's constructor calls set_seed (torch, numpy, random): keep the caller's."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+class _Capture:
+    """Wraps the trainer's `_get_per_token_logps_and_entropies` (the method `_compute_loss`
+    calls) and keeps what it returned, so the adapter reads TRL's own per-token logprobs."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.calls: list[tuple] = []
+
+    def __enter__(self):
+        original = type(self.trainer)._get_per_token_logps_and_entropies.__get__(self.trainer)
+
+        def wrapped(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.calls.append(out)
+            return out
+
+        self.trainer._get_per_token_logps_and_entropies = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        del self.trainer._get_per_token_logps_and_entropies
+        return False
+
+
+class TRLCore:
+    """A `GRPOTrainer` around a tiny fixture family, with rlconform's three passes."""
+
+    def __init__(self, settings, variant: Variant, model=None):
+        import torch
+
+        for name in ("max_seq_len", "max_tokens_per_micro_batch"):
+            if getattr(settings, name, None) is not None:
+                raise NotImplementedError(
+                    f"TRL {TRL_VERSION}'s GRPOTrainer has no counterpart for setting {name!r}: "
+                    "it neither truncates sequences at train time nor packs micro-batches by a "
+                    "token budget (GRPOConfig has no such option)")
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        from rlconform.fixtures.families import build_family
+
+        self.settings = settings
+        self.variant = variant
+        self.device = torch.device(settings.device)
+        self.family = build_family(settings.family)
+        self._dir = tempfile.TemporaryDirectory(prefix="rlconform-trl-")
+        path = self._dir.name
+        if model is None:
+            model = self.family.build_model(seed=settings.seed, dtype=settings.dtype)
+        self.family.save(path, model.cpu())
+        policy = type(model).from_pretrained(path, attn_implementation="eager",
+                                             dtype=settings.dtype)
+        beta = variant.beta if variant.beta is not None and not settings.kl_coef \
+            else settings.kl_coef
+        m = settings.micro_batch_size
+        if m <= 0:
+            raise ValueError(f"micro_batch_size must be positive, got {m}")
+        self.args = GRPOConfig(
+            output_dir=f"{path}/out", report_to="none", save_strategy="no",
+            logging_strategy="no", disable_tqdm=True, use_cpu=self.device.type == "cpu",
+            bf16=settings.dtype == torch.bfloat16, seed=settings.seed,
+            learning_rate=settings.lr, weight_decay=0.0, lr_scheduler_type="constant",
+            max_grad_norm=settings.max_grad_norm if settings.max_grad_norm is not None else 0.0,
+            epsilon=settings.clip_low, epsilon_high=settings.clip_high, beta=beta,
+            num_iterations=variant.num_iterations,
+            # placeholders valid for any micro-batch size (the generation batch must hold
+            # whole groups of num_generations); each pass sets the numbers of its batch
+            per_device_train_batch_size=m, steps_per_generation=2,
+            gradient_accumulation_steps=2, num_generations=2)
+        processing = self.family.processor or self.family.tokenizer
+        with _quiet_global_rng():
+            self.trainer = GRPOTrainer(
+                model=policy, reward_funcs=_no_reward, args=self.args,
+                train_dataset=Dataset.from_dict({"prompt": ["rlconform"] * 2}),
+                processing_class=processing)
+        t = self.trainer
+        t.model.to(self.device)
+        if t.ref_model is not None:
+            t.ref_model.to(self.device)
+        if self.args.gradient_checkpointing:  # as Trainer._inner_training_loop does
+            t.model.gradient_checkpointing_enable(self.args.gradient_checkpointing_kwargs)
+        t.create_optimizer()
+        self.optimizer = t.optimizer
+        self.steps = 0
+
+    # -- models ---------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.trainer.model
+
+    @property
+    def reference_model(self):
+        return self.trainer.ref_model
+
+    def state_dict(self):
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    # -- TRL's numbers for a batch ----------------------------------------------------------
+    def _configure(self, rows: int) -> tuple[int, int]:
+        """Micro-batch size and count of a generation batch of `rows`, written into TRL's
+        args and the trainer's accumulation state the way a TRL user would configure them."""
+        m = micro_batch_size(rows, self.settings.micro_batch_size)
+        n = max(1, rows // m)
+        self.args.per_device_train_batch_size = m
+        self.args.steps_per_generation = n
+        self.args.gradient_accumulation_steps = n
+        self.trainer.current_gradient_accumulation_steps = n
+        return m, n
+
+    def runs_pass(self, stage, rows: int) -> bool:
+        """Whether TRL runs this pass (`_generate_and_score_completions`'s conditions)."""
+        t, a = self.trainer, self.args
+        if stage is _stage().REFERENCE_LOGPROB:
+            return t.beta != 0.0
+        self._configure(rows)
+        return (a.gradient_accumulation_steps % (a.steps_per_generation * t.num_iterations) != 0
+                or (t.use_vllm and t.vllm_importance_sampling_correction))
+
+    @staticmethod
+    def generation_batch(batch):
+        """The shard as TRL pads a generation batch: to its own longest row."""
+        longest = int(batch.seq_lens.max()) if len(batch) else 0
+        return batch.truncate(longest) if batch.seq_len() > longest else batch
+
+    def logprobs(self, batch, stage):
+        """`[B, S]` float32 logprobs (0 at position 0 and at pads) from TRL's function, or None
+        when TRL does not run this pass in this configuration."""
+        import torch
+        from trl.models.utils import disable_gradient_checkpointing
+
+        if not self.runs_pass(stage, len(batch)):
+            return None
+        gen = self.generation_batch(batch)
+        m, _ = self._configure(len(gen))
+        inputs = trl_inputs(gen, stage, self.settings.dtype, self.family)
+        t = self.trainer
+        model = t.ref_model if stage is _stage().REFERENCE_LOGPROB else t.model
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        kw = {k: v.to(self.device) for k, v in inputs.items() if k in _FORWARD_KEYS}
+        t.model.train()  # HF's training_step puts the policy in train mode before TRL's passes
+        with torch.no_grad(), disable_gradient_checkpointing(
+                t.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = t._get_per_token_logps_and_entropies(
+                model, ids.to(self.device), attn.to(self.device), ids.shape[1] - 1,
+                batch_size=m, num_images=inputs.get("num_images"), **kw)
+        out = torch.zeros(len(batch), batch.seq_len(), dtype=torch.float32)
+        out[:, 1:ids.shape[1]] = logps.float().cpu()
+        return out
+
+    def step_seed(self, shard_index: int) -> int:
+        return (self.settings.seed * 1_000_003 + self.steps) * 1_009 + shard_index
+
+    def train(self, shards):
+        """One optimizer step over every micro-batch of every shard (see module docstring)."""
+        import torch
+
+        from rlconform.reference_impl.trainer import StepResult
+
+        t = self.trainer
+        shards = [self.generation_batch(_without_none(b)) for b in shards]
+        stage = _stage().TRAIN
+        gens = [trl_inputs(b, stage, self.settings.dtype, self.family) for b in shards]
+        # TRL: num_items_in_batch = gather(loss_mask.sum()).sum(), loss_mask =
+        # completion_mask * tool_mask, summed over every rank
+        items = sum((g["completion_mask"] * g["tool_mask"]).sum() for g in gens)
+        t.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        metrics: dict[str, list] = {}
+        for r, gen in enumerate(gens):
+            # TRL's generation batch holds old / reference logprobs only where TRL computes them
+            if not self.runs_pass(_stage().LOGPROB, len(shards[r])):
+                gen.pop("old_per_token_logps", None)
+            if not self.runs_pass(_stage().REFERENCE_LOGPROB, len(shards[r])):
+                gen.pop("ref_per_token_logps", None)
+            _, n = self._configure(len(shards[r]))
+            gen["num_items_in_batch"] = torch.as_tensor(items)
+            for mb in trl_micro_batches(gen, n, self.step_seed(r)):
+                mb = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in mb.items()}
+                with _Capture(t) as cap, t.compute_loss_context_manager():
+                    loss = t.compute_loss(t.model, mb)
+                t.accelerator.backward(loss)
+                total += float(loss.detach())
+                for k, v in self.metrics(mb, cap.calls[-1][0]).items():
+                    metrics.setdefault(k, []).append(v.cpu())
+        params = [p for p in t.model.parameters() if p.grad is not None]
+        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None \
+            else math.inf
+        grad_norm = t.accelerator.clip_grad_norm_(params, max_norm) if params \
+            else torch.zeros(())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return StepResult(total, {k: torch.cat(v) for k, v in metrics.items()},
+                          float(grad_norm), {"normalizer": float(items), "step": self.steps})
+
+    def metrics(self, mb: dict, logp):
+        """Per-token values over the loss tokens, by `_compute_loss`'s rules on TRL's numbers
+        (token-level importance sampling; loss types grpo/bnpo/dr_grpo/dapo)."""
+        import torch
+
+        from rlconform.reference_impl.loss import generation_metrics, masked
+
+        t = self.trainer
+        mask = mb["completion_mask"] * mb["tool_mask"]
+        old = mb.get("old_per_token_logps")
+        old = logp.detach() if old is None else old
+        adv = mb["advantages"]
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        coef_1 = torch.exp(logp - old)
+        coef_2 = torch.clamp(coef_1, 1 - t.epsilon_low, 1 + t.epsilon_high)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+        out = {}
+        if t.beta != 0.0:
+            ref = mb["ref_per_token_logps"]
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            per_token = per_token + t.beta * kl
+            out["reference_kl"] = masked(kl, mask)
+        out.update({
+            "probs_ratio": masked(coef_1, mask),
+            "probs_ratio_clamped": masked(coef_2, mask),
+            "clipped": masked((coef_1 != coef_2).float(), mask),
+            "loss_per_token": masked(per_token, mask),
+        })
+        gen = mb.get("sampling_per_token_logps")
+        if gen is not None:
+            out.update(generation_metrics(gen, old.detach(), mask))
+        return out
+
+
+def _no_reward(prompts=None, completions=None, **kwargs):
+    """GRPOTrainer needs a reward function; rlconform's steps bring their own advantages."""
+    return [0.0] * len(completions or prompts or [])
+
+
+def _without_none(batch):
+    """A pass TRL did not run left None in the in-memory batch: drop it."""
+    empty = [k for k, v in batch.fields.items() if v is None]
+    return batch.without(*empty) if empty else batch
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch_ops surface: TRL's micro-batching
+# ---------------------------------------------------------------------------------------------
+# the packed media keys GRPOTrainer keeps in its generation batch (_generate_and_score_completions'
+# output dict) that rlconform's fixtures emit; any other packed field has no place there
+_TRL_MEDIA = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+_ROWS, _SHAPES = "__rlconform_rows", "__rlconform_shapes:"
+_NO_OP = ("TRL {v} has no {what} of its own to wrap (GRPOTrainer pads prompts and completions "
+          "with trl.trainer.utils.pad at generation and never {does} a built batch)")
+
+
+class TRLBatchOps:
+    """`micro_batches` through TRL's own helpers (capability `micro_batching`).
+
+    The batch becomes TRL's generation-batch dict: tensors as they are, object columns as
+    per-row lists (TRL moves any per-row list with its row), image media as the model-input
+    tensors TRL holds (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, `image_sizes`)
+    plus `num_images`. TRL's split_pixel_values_by_grid -> shuffle_sequence_dict (seeded) ->
+    split_tensor_dict -> unsplit_pixel_values_by_grid make the micro-batches; two observer keys
+    ride along as per-row values (each row's index and its media segment shapes), so each
+    micro-batch is turned back into a Batch by the exact inverse of `as_tensor()`: if TRL moved
+    media rows without their sample, the rebuilt rows hold other samples' media.
+    The other batch_ops methods have no TRL counterpart and raise.
+    """
+
+    name = "trl"
+
+    def truncate(self, batch, max_len):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="sequence truncation",
+                                                does="truncates"))
+
+    def pad_to(self, batch, seq_len):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="re-padding of a batch",
+                                                does="re-pads"))
+
+    def validate(self, batch):
+        raise NotImplementedError(_NO_OP.format(v=TRL_VERSION, what="batch validator",
+                                                does="validates"))
+
+    def multimodal_inputs(self, batch, stage, dtype=None):
+        raise NotImplementedError(
+            f"TRL {TRL_VERSION} has no per-stage input selection: every pass of GRPOTrainer "
+            "gets the same forward kwargs")
+
+    def micro_batches(self, batch, n: int, shuffle_seed: int | None = None):
+        import torch
+
+        b = len(batch)
+        if not 1 <= n <= max(b, 1):
+            raise ValueError(f"micro-batch count n={n} must be in 1..{b} (the batch size)")
+        if b % n:
+            raise ValueError(
+                f"TRL splits a generation batch only into equal micro-batches: GRPOConfig "
+                f"requires the generation batch ({b} rows) to be a multiple of "
+                f"per_device_train_batch_size, so {n} micro-batches are not a TRL "
+                f"configuration (split_tensor_dict would silently drop the last {b % n} rows)")
+        gen = _to_trl(batch)
+        gen[_ROWS] = torch.arange(b)
+        chunks = trl_micro_batches(gen, n, shuffle_seed)
+        return [([int(i) for i in c[_ROWS]], _from_trl(c, batch)) for c in chunks]
+
+
+def _to_trl(batch) -> dict:
+    from torch import Tensor
+
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    out: dict = {}
+    for name, v in batch.fields.items():
+        if isinstance(v, Tensor):
+            out[name] = v
+        elif isinstance(v, ObjectColumn):
+            out[name] = [None if r is None else dict(r) for r in v.rows]
+        elif isinstance(v, PackedTensor):
+            empty = all(v.is_none(i) for i in range(len(v)))
+            if name not in _TRL_MEDIA and not empty:  # (a field with no media has no tensor)
+                raise NotImplementedError(
+                    f"TRL {TRL_VERSION}'s GRPO generation batch has no key for packed field "
+                    f"{name!r}: GRPOTrainer carries only {', '.join(_TRL_MEDIA)} (and "
+                    "spatial_shapes, image_position_ids, token type ids) between its passes")
+            t = v.as_tensor()
+            if t is not None:
+                out[name] = t
+            out[_SHAPES + name] = [v.segment_shapes(i) for i in range(len(v))]
+        else:
+            raise TypeError(f"field {name!r} is a {type(v).__name__}")
+    try:
+        from rlconform.fixtures.families import build_family
+
+        family = build_family(batch.family)
+    except (KeyError, TypeError):
+        family = None  # a registry family without a fixture: no tokenizer to count images by
+    n = _num_images(batch, family)
+    if n is not None and "pixel_values" in out:
+        out["num_images"] = n
+    return out
+
+
+def _from_trl(chunk: dict, like):
+    """A TRL micro-batch back to a Batch: media rows cut from the model-input tensors by the
+    shapes that travelled with each row (the inverse of PackedTensor.as_tensor)."""
+    from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    fields = {}
+    for name, v in like.fields.items():
+        if isinstance(v, PackedTensor):
+            fields[name] = _rebuild(chunk.get(name), chunk[_SHAPES + name], v.pack_dim)
+        elif isinstance(v, ObjectColumn):
+            fields[name] = ObjectColumn(list(chunk[name]))
+        else:
+            fields[name] = chunk[name]
+    return Batch(fields, like.family, dict(like.extra))
+
+
+def _rebuild(t, shapes_per_row: list, pack_dim: int):
+    from rlconform.reference_impl.packed import PackedTensor
+
+    def crop(x, shape):
+        return x[tuple(slice(0, d) for d in shape)]
+
+    rows, cursor = [], 0
+    for i, shapes in enumerate(shapes_per_row):
+        if shapes is None:
+            rows.append(None)
+            continue
+        if pack_dim == 0:
+            segs = []
+            for shape in shapes:
+                segs.append(crop(t[cursor:cursor + shape[0]], shape))
+                cursor += shape[0]
+        else:
+            row, start, segs = t[i], 0, []
+            for shape in shapes:
+                segs.append(crop(row[start:start + shape[0]], shape))
+                start += shape[0]
+        rows.append(segs)
+    return PackedTensor.from_rows(rows, pack_dim=pack_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer surface
+# ---------------------------------------------------------------------------------------------
+_OUTPUT = {"logprob": "prev_logprobs", "reference_logprob": "reference_logprobs"}
+
+
+class _TRLTrainer:
+    def __init__(self, settings, variant: Variant, model=None):
+        self.settings = settings
+        self.core = TRLCore(settings, variant, model)
+
+    @property
+    def model(self):
+        return self.core.model
+
+    @property
+    def reference_model(self):
+        return self.core.reference_model
+
+    @property
+    def trl_trainer(self):
+        return self.core.trainer
+
+    def state_dict(self):
+        return self.core.state_dict()
+
+
+class TRLLegacyTrainer(_TRLTrainer):
+    """In memory: `compute_logprobs(batch, stage) -> Tensor | None`, `train(batch | list)`."""
+
+    def compute_logprobs(self, batch, stage):
+        return self.core.logprobs(batch, stage)
+
+    def train(self, batch):
+        return self.core.train(list(batch) if isinstance(batch, (list, tuple)) else [batch])
+
+
+class TRLDataPlaneTrainer(_TRLTrainer):
+    """Every pass from a meta: fetch the fields the stage consumes (the field registry decides,
+    as for the reference), decode, run TRL's pass, put its output as a new column."""
+
+    def __init__(self, settings, variant: Variant, transport, codec, model=None):
+        super().__init__(settings, variant, model)
+        self.transport = transport
+        self.codec = codec
+
+    def fetch(self, meta, stage):
+        from rlconform.reference_impl.codec import WireBatch, column_field
+        from rlconform.reference_impl.registry import stage_fields
+
+        wanted = stage_fields(stage)  # the reference's rule, object fields' wire columns too
+        fields = [f for f in wanted if f in meta.fields] + [
+            c for c in meta.fields if column_field(c) != c and column_field(c) in wanted]
+        cols, tags = self.transport.get(meta.partition, meta.keys, select_fields=fields)
+        return self.codec.decode(WireBatch(cols, tags))
+
+    def compute_logprobs(self, meta, stage):
+        if not self.core.runs_pass(stage, len(meta.keys)):
+            return meta  # TRL does not run this pass in this configuration
+        from rlconform.reference_impl.batch import Batch
+
+        name = _OUTPUT[stage.value]
+        batch = self.fetch(meta, stage)
+        values = self.core.logprobs(batch, stage)
+        wire = self.codec.encode(Batch({"input_lengths": batch["input_lengths"], name: values}))
+        self.transport.put(meta.partition, meta.keys, {name: wire.columns[name]})
+        return meta.with_fields(name)
+
+    def train(self, meta):
+        metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
+        return self.core.train([self.fetch(m, _stage().TRAIN) for m in metas])
+
+
+def make_trainer(variant: str, settings, transport=None, codec=None, model=None):
+    v = VARIANTS[variant]
+    if transport is None:
+        return TRLLegacyTrainer(settings, v, model)
+    if codec is None:
+        from rlconform.reference_impl.codec import ReferenceCodec
+
+        codec = ReferenceCodec()
+    return TRLDataPlaneTrainer(settings, v, transport, codec, model)
+
+
+def _backend(variant: str) -> Backend:
+    def trainer(settings, transport=None, codec=None, model=None):
+        return make_trainer(variant, settings, transport, codec, model)
+
+    return Backend(
+        name=variant,
+        description=VARIANTS[variant].description,
+        trainer=trainer,
+        batch_ops=TRLBatchOps,
+        capabilities=frozenset({"cpu", "micro_batching"}),
+        notes=dict(_NOTES),
+        version=package_version("trl", "TRL"),
+    )
+
+
+def backend() -> Backend:
+    return _backend("trl")
+
+
+def independent_backend() -> Backend:
+    return _backend("trl-independent-passes")
