@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import jagged_from_values
+from .dataplane import gather, jagged_from_values, split_rows
 from .packed import PackedTensor
 from .registry import FAMILIES, DtypePolicy, Kind, spec
 
@@ -36,7 +36,7 @@ class WireBatch:
 
 def jagged(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
     """A jagged nested tensor from 1-D rows (zero-length rows allowed), one copy of the data."""
-    values = torch.cat(rows).to(dtype) if rows else torch.empty(0, dtype=dtype)
+    values = gather(rows, dtype).to(dtype)  # one copy, over the machine's cores
     return jagged_from_values(values, [r.shape[0] for r in rows])
 
 
@@ -96,8 +96,8 @@ class ReferenceCodec:
                              "pack_dim": v.pack_dim}
             flat.extend(s.reshape(-1) for s in segs)
             lengths.append(sum(s.numel() for s in segs))
-        # one copy: every row's segments gathered (and cast) straight into the values
-        values = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+        # one copy: every row's segments gathered into the values, over the machine's cores
+        values = gather(flat, dtype).to(dtype)
         return jagged_from_values(values, lengths)
 
     # -- decode -------------------------------------------------------------------------
@@ -149,7 +149,8 @@ class ReferenceCodec:
         if not col.is_nested:
             raise TypeError(f"packed column {name!r} arrived dense {list(col.shape)}; "
                             "it was written jagged")
-        rows = col.unbind()
+        # one copy of the whole column (the batch must not alias the wire); segments are views
+        _, rows = split_rows(name, col, len(tags))
         per_row: list = []
         pack_dim = spec(name).pack_dim
         for i, (flat, tag) in enumerate(zip(rows, tags)):
@@ -166,7 +167,7 @@ class ReferenceCodec:
             if sum(sizes) != flat.numel():
                 raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need {sum(sizes)} "
                                  f"values, the row has {flat.numel()}")
-            per_row.append([p.reshape(s).clone() for p, s in zip(flat.split(sizes), shapes)])
+            per_row.append([p.reshape(s) for p, s in zip(flat.split(sizes), shapes)])
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
     @staticmethod
