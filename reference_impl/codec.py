@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import gather, jagged_from_values, split_rows
+from .dataplane import gather, jagged_from_values, jagged_rows, split_rows
 from .packed import PackedTensor
 from .registry import FAMILIES, DtypePolicy, Kind, spec
 
@@ -174,7 +174,7 @@ class ReferenceCodec:
     def _decode_per_token(name: str, col: Tensor, lens: list[int], pad_value) -> Tensor:
         if not col.is_nested:
             raise TypeError(f"per-token column {name!r} arrived dense; it was written jagged")
-        rows = col.unbind()
+        rows = jagged_rows(col)
         seq = max(lens) if lens else 0
         out = torch.full((len(rows), seq), pad_value, dtype=col.dtype)
         for i, (r, n) in enumerate(zip(rows, lens)):

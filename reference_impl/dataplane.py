@@ -9,6 +9,7 @@ aliases a caller's tensor (one copy in at put, one copy out at get).
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 import threading
 from collections.abc import Sequence
@@ -28,14 +29,52 @@ class Layout:
     trailing: tuple[int, ...]  # dense: row shape; jagged: dims after the ragged one
 
 
+try:  # the jagged layout's tensor class: its fields are read directly (see jagged_parts)
+    from torch.nested._internal.nested_tensor import NestedTensor as _NJT
+except ImportError:  # pragma: no cover - a torch without it: the public accessors
+    _NJT = None
+
+
+def _is_jagged(col: Tensor) -> bool:
+    if _NJT is not None:
+        return isinstance(col, _NJT)
+    return col.layout is torch.jagged
+
+
+def jagged_parts(col: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`(values, offsets, lengths)` of a jagged column (`lengths` is None when the rows tile
+    `values`). The public accessors (`values()`, `.dtype`, `.layout`) of a jagged nested tensor
+    go through its Python `__torch_function__`, ~100 us each: several per column on every put,
+    get, encode and decode. Its fields are read directly where they exist."""
+    if _NJT is not None and isinstance(col, _NJT) and getattr(col, "_ragged_idx", 1) == 1:
+        return col._values, col._offsets, col._lengths
+    return col.values(), col.offsets(), col.lengths()
+
+
+def jagged_rows(col: Tensor) -> list[Tensor]:
+    """Row views of a jagged column (what `col.unbind()` returns, without its dispatch)."""
+    return _row_views(*jagged_parts(col))
+
+
+def _row_views(values: Tensor, offsets: Tensor, lengths: Tensor | None) -> list[Tensor]:
+    starts = offsets.tolist()
+    n = len(starts) - 1
+    if lengths is None and starts[0] == 0 and starts[-1] == values.shape[0]:
+        return list(values.split([b - a for a, b in zip(starts, starts[1:])]))
+    ends = starts[1:] if lengths is None else [a + int(k) for a, k in zip(starts,
+                                                                         lengths.tolist())]
+    return [values[starts[i]:ends[i]] for i in range(n)]
+
+
 def column_layout(name: str, col: Tensor) -> Layout:
     if not isinstance(col, Tensor):
         raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are tensors "
                         "(dense, or jagged nested with layout=torch.jagged)")
     if col.is_nested:
-        if col.layout is not torch.jagged:
+        if not _is_jagged(col):
             raise TypeError(f"column {name!r} is a strided nested tensor; use layout=torch.jagged")
-        return Layout(JAGGED, col.dtype, tuple(col.shape[2:]))
+        values = jagged_parts(col)[0]
+        return Layout(JAGGED, values.dtype, tuple(values.shape[1:]))
     if col.dim() == 0:
         raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
     return Layout(DENSE, col.dtype, tuple(col.shape[1:]))
@@ -48,12 +87,8 @@ def split_rows(name: str, col: Tensor, n: int) -> tuple[Layout, list[Tensor]]:
     if rows != n:
         raise ValueError(f"column {name!r} has {rows} rows for {n} keys")
     if layout.kind == JAGGED:
-        values = col.values().detach().clone()
-        offsets = col.offsets().tolist()
-        lengths = col.lengths()  # set when rows do not tile `values` (gaps between rows)
-        ends = ([offsets[i + 1] for i in range(n)] if lengths is None
-                else [offsets[i] + int(lengths[i]) for i in range(n)])
-        return layout, [values[offsets[i]:ends[i]] for i in range(n)]
+        values, offsets, lengths = jagged_parts(col)
+        return layout, _row_views(values.detach().clone(), offsets, lengths)
     block = col.detach().clone()
     return layout, list(block.unbind(0))
 
@@ -98,9 +133,10 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
     if not pieces:
         return torch.empty((0, *trailing), dtype=dtype if dtype is not None else torch.float32)
     first = pieces[0]
-    nbytes = sum(p.numel() for p in pieces) * first.element_size()
-    threads = _copy_threads(nbytes)
-    simple = (threads == 1 or first.device.type != "cpu" or first.is_nested
+    threads = _copy_threads(sum(p.numel() for p in pieces) * first.element_size())
+    if threads == 1:
+        return torch.cat(pieces)
+    simple = (first.device.type != "cpu" or first.is_nested
               or any(p.dtype != first.dtype or p.device != first.device
                      or p.shape[1:] != first.shape[1:] or not p.is_contiguous()
                      or p.requires_grad or p.is_conj() or p.is_neg() for p in pieces))
@@ -145,8 +181,8 @@ def copy_tags(tags: Sequence[dict]) -> list[dict]:
 def jagged_from_values(values: Tensor, lengths: Sequence[int]) -> Tensor:
     """A jagged nested tensor whose row i is the next `lengths[i]` entries of `values` (a view,
     no copy); zero-length rows allowed."""
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    torch.cumsum(torch.as_tensor(lengths, dtype=torch.long), 0, out=offsets[1:])
+    offsets = torch.tensor([0, *itertools.accumulate(int(n) for n in lengths)],
+                           dtype=torch.long)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
@@ -155,17 +191,20 @@ def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
     the order they were put): a single copy instead of one per row."""
     if len(rows) < 2 or any(not r.is_contiguous() for r in rows):
         return None
-    base = rows[0].untyped_storage().data_ptr()
-    if any(r.untyped_storage().data_ptr() != base for r in rows):
-        return None
-    step = rows[0].element_size()
-    for a, b in zip(rows, rows[1:]):
-        if a.data_ptr() + a.numel() * step != b.data_ptr():
-            return None
     first, last = rows[0], rows[-1]
-    n = (last.data_ptr() - first.data_ptr()) // step + last.numel()
-    flat = torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(),
-                                                  first.storage_offset(), (n,))
+    step = first.element_size()
+    end = first.data_ptr()
+    for r in rows:  # each row starts where the previous one ended
+        if r.data_ptr() != end:
+            return None
+        end += r.numel() * step
+    # first and last in one storage, so is everything between them: the span reads only it
+    storage = first.untyped_storage()
+    if last.untyped_storage().data_ptr() != storage.data_ptr() or \
+            end > storage.data_ptr() + storage.nbytes():
+        return None
+    n = (end - first.data_ptr()) // step
+    flat = torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (n,))
     return flat.view(-1, *first.shape[1:]).clone()
 
 
@@ -178,6 +217,8 @@ def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
         return jagged_from_values(values, [r.shape[0] for r in rows])
     if not rows:
         return torch.empty((0, *layout.trailing), dtype=layout.dtype)
+    if _copy_threads(len(rows) * rows[0].numel() * rows[0].element_size()) == 1:
+        return torch.stack(rows)
     return gather([r.unsqueeze(0) for r in rows])  # torch.stack, in parallel
 
 
