@@ -1,17 +1,22 @@
-"""Codec and transport throughput, as ratios to `torch.clone` of the same bytes in the same run.
+"""Data-plane speed, always as ratios to a baseline measured in the same run.
 
-    python bench/bench_dataplane.py [--samples 256] [--patches 256] [--repeat 5]
-                                    [--backend NAME] [--json PATH] [--profile]
+    python bench/bench_dataplane.py [--only copies,grpo] [--backend NAME] [--device cuda]
+                                    [--samples 256] [--patches 256] [--repeat 5]
+                                    [--grpo-families qwen2_vl,gemma3] [--grpo-rows 64]
+                                    [--grpo-world 2] [--grpo-repeat 5] [--json PATH] [--profile]
 
-The payload is `realistic_qwen_batch(samples, patches)` (bf16 Qwen2-VL patches, one to three
-images per sample, 512 tokens per sample), grown until it holds at least 256 MiB of media. Each
-operation is timed as the median of `--repeat` runs after a few warm-ups:
+Runs with only torch and transformers installed (plus rlconform): ray, tensordict, TransferQueue
+and Mooncake are imported only for a `--backend` that needs them.
+
+copies (codec and in-memory transport vs torch.clone). The payload is
+`realistic_qwen_batch(samples, patches)` (bf16 Qwen2-VL patches, one to three images per sample,
+512 tokens per sample), grown until it holds at least 256 MiB of media. Each operation is timed
+as the median of `--repeat` runs after a few warm-ups:
 
 - clone:          `torch.clone` of the concatenated media plus the per-token and per-sample
                   tensors: the same bytes as the wire columns, one copy (the baseline);
 - encode, decode, encode+decode: the reference codec;
-- put, get, put+get: the in-memory data plane on the encoded columns (and, with `--backend`,
-  the transport of that backend, inside its `session()`).
+- put, get, put+get: the in-memory data plane on the encoded columns.
 
 GB/s is payload bytes (the wire columns) over the median time. `ratio` is the clone time over
 the operation's time (1.0: as fast as one clone of the same bytes). An operation that must copy
@@ -19,9 +24,27 @@ the bytes k times cannot beat 1/k, so `ratio/copy` (ratio times k) says how clos
 copying at clone speed. The copies each operation must make: encode 1 (gather the segments into
 one wire buffer), decode 1 (the batch must not alias the wire), put 1 and get 1 (stored data
 never aliases a caller's tensor), so encode+decode and put+get 2. Targets: codec
-(encode+decode) >= 0.5x and transport (put+get) >= 0.8x clone speed per copy. Times on a shared
-or small machine are noisy (page faults on fresh memory dominate a cold clone): the table flags
-operations whose slowest run exceeds 1.5x the fastest; raise --repeat there.
+(encode+decode) >= 0.5x and transport (put+get) >= 0.8x clone speed per copy, on any core count.
+
+backend (`--backend NAME`): that backend's transport put/get through our adapter, inside its
+`session()`, on the same wire columns; for a bundled real backend (transferqueue-simple,
+transferqueue-mooncake, ray-objectstore) also the library's own calls on the same columns
+(TransferQueue: `kv_batch_put` of a TensorDict, `kv_batch_get` + `kv_retrieve_meta`; Ray:
+`ray.put` / `ray.get` of the column arrays plus the one copy out the surface owes). Target: our
+adapter's put and get each <= 1.2x the library's.
+
+grpo (the data-plane GRPO step vs the in-memory step): per family (tiny Qwen2-VL and Gemma3
+built from config), one rollout batch of `--grpo-rows` rows trains two trainers that start from
+the same weights, one through the reference transport and codec (`dataplane_step`) and one in
+memory (`legacy_step`), `--grpo-world` data-parallel shards, alternating which goes first;
+median of `--grpo-repeat` steps each on `--device` (cuda where present; bf16 there, fp32 on
+the CPU). Target: data plane / in memory <= 1.0x. One more instrumented step of each path says
+where the time goes (model passes, transport put/get/clear, codec encode/decode, the rest), and
+the weights of both paths must stay bitwise equal. `--profile` adds cProfile of both steps.
+
+Times on a shared or small machine are noisy (page faults on fresh memory dominate a cold clone;
+on an oversubscribed box every OpenMP region waits for descheduled threads): the copies table
+flags operations whose slowest run exceeds 1.5x the fastest; raise --repeat there.
 """
 
 from __future__ import annotations
