@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -208,12 +209,16 @@ class _Worker:
 
     def send(self, name: str, clause_ids: list[str] | None) -> None:
         self.job = name
-        self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker died: its results pipe reports EOF, and the mutant is recorded
 
     def stop(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
         self.proc.wait()
         self.results.close()
 
@@ -233,6 +238,33 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     in `jobs` worker processes; write and return the kill matrix.
 
     `on_result(row, done, total, elapsed_s)` is called as each mutant finishes."""
+    report_dir = Path(report_dir)
+    extra = list(extra or [])
+    if "--profile" not in extra:
+        extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
+    jobs = max(1, jobs or os.cpu_count() or 2)
+    if only:
+        jobs = min(jobs, len(only))
+    t0 = time.time()
+    for stale in (report_dir / "mutants").glob("mutant_*/report.json"):
+        stale.unlink()
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # each worker gets its share of the cores (torch would otherwise spin one thread per core in
+    # every worker)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    # the workers start loading torch and the clause modules while this process reads the
+    # catalogue
+    workers = [_Worker(report_dir, extra, env) for _ in range(jobs)]
+    try:
+        return _drive(workers, report_dir, extra, env, only, full, on_result, t0)
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.stop()
+
+
+def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
+           on_result, t0: float) -> dict:
     import selectors
 
     from rlconform.conformance import catalogue
@@ -245,20 +277,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
         raise LookupError(f"unknown mutants {unknown}; known: {', '.join(sorted(mutants))}")
     expected = claims(list(only or mutants))
     names = list(expected)
-    report_dir = Path(report_dir)
-    extra = list(extra or [])
-    if "--profile" not in extra:
-        extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
-    jobs = max(1, min(jobs or os.cpu_count() or 2, len(names) or 1))
     previous = _previous_durations(report_dir)
     queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
-    t0 = time.time()
-    for stale in (report_dir / "mutants").glob("mutant_*/report.json"):
-        stale.unlink()
-    env = dict(os.environ, PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    # each worker gets its share of the cores (torch would otherwise spin one thread per core in
-    # every worker)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     rows: dict[str, dict] = {}
 
     def finish(name: str, error: str | None) -> None:
@@ -276,7 +296,6 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
             on_result(row, len(rows), len(names), time.time() - t0)
 
     sel = selectors.DefaultSelector()
-    workers: list[_Worker] = []
 
     def feed(w: _Worker) -> None:
         if queue:
@@ -287,37 +306,30 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
             sel.unregister(w.results)
             w.stop()
 
-    for _ in range(jobs):
-        w = _Worker(report_dir, extra, env)
-        workers.append(w)
+    for w in list(workers):
         sel.register(w.results, selectors.EVENT_READ, w)
         feed(w)
-    try:
-        while len(rows) < len(names):
-            for key, _ in sel.select():
-                w = key.data
-                line = w.results.readline()
-                if line:
-                    res = json.loads(line)
-                    code = res["code"]
-                    finish(res["name"], code if isinstance(code, str) else None)
-                    feed(w)
-                    continue
-                # the worker died: record its mutant, replace the worker
-                sel.unregister(w.results)
-                died = w.job
-                w.stop()
-                if died is not None:
-                    finish(died, f"worker exited with {w.proc.returncode} during this mutant")
-                if queue:
-                    w = _Worker(report_dir, extra, env)
-                    workers.append(w)
-                    sel.register(w.results, selectors.EVENT_READ, w)
-                    feed(w)
-    finally:
-        for w in workers:
-            if w.proc.poll() is None:
-                w.stop()
+    while len(rows) < len(names):
+        for key, _ in sel.select():
+            w = key.data
+            line = w.results.readline()
+            if line:
+                res = json.loads(line)
+                code = res["code"]
+                finish(res["name"], code if isinstance(code, str) else None)
+                feed(w)
+                continue
+            # the worker died: record its mutant, replace the worker
+            sel.unregister(w.results)
+            died = w.job
+            w.stop()
+            if died is not None:
+                finish(died, f"worker exited with {w.proc.returncode} during this mutant")
+            if queue:
+                w = _Worker(report_dir, extra, env)
+                workers.append(w)
+                sel.register(w.results, selectors.EVENT_READ, w)
+                feed(w)
     ordered = [rows[n] for n in names]
     killers = {cid for r in ordered for cid in r["failed"]}
     matrix = {
