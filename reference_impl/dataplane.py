@@ -136,16 +136,20 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
     threads = _copy_threads(sum(p.numel() for p in pieces) * first.element_size())
     if threads == 1:
         return torch.cat(pieces)
-    simple = (first.device.type != "cpu" or first.is_nested
-              or any(p.dtype != first.dtype or p.device != first.device
-                     or p.shape[1:] != first.shape[1:] or not p.is_contiguous()
-                     or p.requires_grad or p.is_conj() or p.is_neg() for p in pieces))
-    if simple:
+    if first.device.type != "cpu" or first.is_nested:
         return torch.cat(pieces)
-    out = torch.empty((sum(int(p.shape[0]) for p in pieces), *first.shape[1:]),
-                      dtype=first.dtype)
+    dtype, ndim, trailing = first.dtype, first.dim(), first.shape[1:]
+    srcs = []
+    try:
+        for p in pieces:
+            if p.dtype != dtype or p.dim() != ndim or p.shape[1:] != trailing:
+                return torch.cat(pieces)  # promotes dtypes, or names the mismatch
+            if p.numel():
+                srcs.append(_as_bytes(p))
+    except (RuntimeError, TypeError):  # numpy cannot see it (grad, conj/neg bit, device)
+        return torch.cat(pieces)
+    out = torch.empty((sum(int(p.shape[0]) for p in pieces), *trailing), dtype=dtype)
     dst = _as_bytes(out)
-    srcs = [_as_bytes(p) for p in pieces if p.numel()]
     bounds = [len(dst) * k // threads for k in range(threads + 1)]
 
     def copy_range(lo: int, hi: int) -> None:

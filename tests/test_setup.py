@@ -116,6 +116,11 @@ def test_gather_falls_back_where_numpy_cannot_copy(parallel):
     assert gather([], torch.bfloat16, (3,)).shape == (0, 3)
     mixed = [torch.ones(2), torch.ones(2, dtype=torch.float64)]
     assert gather(mixed).dtype == torch.cat(mixed).dtype
+    grad = [torch.ones(3, requires_grad=True), torch.zeros(2)]
+    assert torch.equal(gather(grad), torch.cat(grad))
+    for bad in ([torch.ones(2), torch.tensor(1.0)], [torch.ones(2, 3), torch.ones(2, 4)]):
+        with pytest.raises(RuntimeError):
+            gather(bad)  # what torch.cat rejects is rejected, not concatenated as bytes
 
 
 def test_codec_and_transport_round_trip_exactly_on_the_parallel_path(parallel):
