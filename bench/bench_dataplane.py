@@ -118,13 +118,15 @@ def clone_sources(batch: Batch) -> list[torch.Tensor]:
 WARMUP = 3
 
 def measure(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None,
-            teardown: Callable[[], None] | None = None) -> list[float]:
+            teardown: Callable[[], None] | None = None, warmup: int | None = None
+            ) -> list[float]:
     """Seconds of `fn` over `repeat` runs after WARMUP warm-ups; setup/teardown are not timed.
 
     Several warm-ups, because on these VMs memory is handed to the guest lazily: the first
     passes over fresh pages cost page faults (seconds for 300 MB), not the operation."""
+    warmup = WARMUP if warmup is None else warmup
     times = []
-    for i in range(repeat + WARMUP):
+    for i in range(repeat + warmup):
         if setup:
             setup()
         gc.collect()
@@ -134,7 +136,7 @@ def measure(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | N
         del out
         if teardown:
             teardown()
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(dt)
     return times
 
@@ -171,7 +173,10 @@ def check_round_trip(tr, wire: WireBatch, keys: list[str], label: str) -> None:
     cols, tags = tr.get(PARTITION, keys, list(wire.columns))
     tr.clear(PARTITION)
     codec = ReferenceCodec()
-    why = codec.decode(wire).first_difference(codec.decode(WireBatch(cols, tags)))
+    try:
+        why = codec.decode(wire).first_difference(codec.decode(WireBatch(cols, tags)))
+    except Exception as exc:  # noqa: BLE001 - what came back does not even decode
+        why = f"{type(exc).__name__}: {exc}"
     if why:
         ROUND_TRIP_FAILURES[label] = why
         print(f"WARNING: transport{label} did not round-trip the payload: {why}")
@@ -255,14 +260,33 @@ LIBRARIES = {"transferqueue-simple": _TransferQueueLibrary,
              "ray-objectstore": _RayLibrary}
 
 
-def library_ops(name: str, wire: WireBatch, keys: list[str], repeat: int
+def library_ops(name: str, tr, wire: WireBatch, keys: list[str], repeat: int
                 ) -> dict[str, list[float]]:
+    """Our adapter's put and get and the library's own, interleaved run by run (so a load
+    change on a shared machine hits both alike)."""
     lib = LIBRARIES[name](wire)
     fields = list(wire.columns)
-    out = {f"put [{name}, library]": measure(lambda: lib.put(keys), repeat,
-                                             teardown=lambda: lib.clear(keys))}
+    ops = {
+        "put": {"adapter": (lambda: tr.put(PARTITION, keys, wire.columns, wire.tags),
+                            lambda: tr.clear(PARTITION)),
+                "library": (lambda: lib.put(keys), lambda: lib.clear(keys))},
+        "get": {"adapter": (lambda: tr.get(PARTITION, keys, fields), None),
+                "library": (lambda: lib.get(keys, fields), None)},
+    }
+    out: dict[str, list[float]] = {}
+    tr.put(PARTITION, keys, wire.columns, wire.tags)
     lib.put(keys)
-    out[f"get [{name}, library]"] = measure(lambda: lib.get(keys, fields), repeat)
+    for op, sides in ops.items():
+        for i in range(WARMUP + repeat):
+            for side in (("adapter", "library") if i % 2 == 0 else ("library", "adapter")):
+                fn, teardown = sides[side]
+                t = measure(fn, 1, teardown=teardown, warmup=0)[0]
+                if i >= WARMUP:
+                    out.setdefault(f"{op} [{name}, {side}]", []).append(t)
+        if op == "put":  # the timed puts were cleared: store once more for the gets
+            tr.put(PARTITION, keys, wire.columns, wire.tags)
+            lib.put(keys)
+    tr.clear(PARTITION)
     lib.clear(keys)
     return out
 
@@ -271,7 +295,7 @@ def adapter_verdicts(rows: list[dict], name: str) -> list[dict]:
     by_op = {r["operation"]: r for r in rows}
     out = []
     for op in ("put", "get"):
-        ours, lib = by_op.get(f"{op} [{name}]"), by_op.get(f"{op} [{name}, library]")
+        ours, lib = by_op.get(f"{op} [{name}, adapter]"), by_op.get(f"{op} [{name}, library]")
         if ours is None or lib is None:
             continue
         overhead = ours["median_s"] / lib["median_s"]
@@ -642,10 +666,10 @@ def backend_section(args, wire: WireBatch, keys: list[str], payload: int
             tr = backend.transport()
             try:
                 out.update(transport_ops(tr, wire, keys, args.repeat, f" [{backend.name}]"))
+                if backend.name in LIBRARIES:
+                    out.update(library_ops(backend.name, tr, wire, keys, args.repeat))
             finally:
                 tr.close()
-            if backend.name in LIBRARIES:
-                out.update(library_ops(backend.name, wire, keys, args.repeat))
     except ImportError as exc:
         needs = list(getattr(backend, "requirements", ())) or "its optional dependencies"
         raise SystemExit(f"backend {backend.name!r} could not start: {exc}; it needs "
