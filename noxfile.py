@@ -27,7 +27,11 @@ VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
 def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = ()) -> None:
     target = f".[{','.join(extras)}]" if extras else "."
     torch = [] if SYSTEM_TORCH else ["torch==2.13.0"]
-    session.install(*CONSTRAINTS, *torch, target, *backend_reqs)  # one resolver run
+    session.install(*CONSTRAINTS, *torch, target,  # one resolver run
+                    *[r for r in backend_reqs if " " not in r])
+    no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
+    if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
+        session.install(*CONSTRAINTS, "--no-deps", *no_deps)
 
 
 # What the tests need beyond Python and pip, as Debian packages: name -> (is it present?, what
@@ -101,9 +105,19 @@ def tests(session: nox.Session) -> None:
     Installs the Debian packages they need when it can (see DEBIAN); `-rs` prints why anything
     skipped, one line per reason."""
     _debian(session, tuple(DEBIAN))
-    _install(session, "dev", "mooncake")
+    _install(session, "dev", "mooncake", "openrlhf")
+    session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
     session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), "-rs",
-                *session.posargs)
+                "--ignore", "tests/test_backends_verl.py", *session.posargs)
+    session.notify("tests_verl")
+
+
+@nox.session(**VENV)
+def tests_verl(session: nox.Session) -> None:
+    """The verl adapter's own tests, in their own venv: verl pins tensordict<=0.10.0, while the
+    tests session keeps the newer tensordict that TransferQueue and Mooncake run with here."""
+    _install(session, backend_reqs=_backend_requirements(["--backend", "verl"]))
+    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", "-rs", *session.posargs)
 
 
 @nox.session(**VENV)
@@ -121,13 +135,23 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def bench(session: nox.Session) -> None:
-    """Codec and transport throughput as ratios to torch.clone measured in the same run.
+    """Codec and transport throughput as ratios to torch.clone, the data-plane GRPO step vs the
+    in-memory step, and real transports' adapters vs their libraries, in the same run.
 
     `nox -s bench -- --backend transferqueue-simple` adds that backend's put/get."""
     reqs = _backend_requirements(list(session.posargs))
     _debian(session, _debian_for(reqs))
     _install(session, backend_reqs=reqs)
     session.run("python", "bench/bench_dataplane.py", *session.posargs)
+
+
+@nox.session(**VENV)
+def mutant_effects(session: nox.Session) -> None:
+    """How far each trainer and rollout mutant moves the numeric metrics (one step per mutant
+    and family): `nox -s mutant_effects -- --device cuda --dtype bfloat16 --model-size
+    production`. The reference's next report includes the table."""
+    _install(session)
+    session.run("python", "-m", "rlconform.e2e.mutant_effects", *session.posargs)
 
 
 @nox.session(**VENV)

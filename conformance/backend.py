@@ -31,9 +31,13 @@ CAPABILITIES = {
     "bfloat16": "carries bfloat16 tensors",
     "cpu": "runs on the CPU",
     "cuda": "runs on a CUDA device",
+    "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
+    "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
 }
 
 ENTRY_POINT_GROUP = "rlconform.backends"
+REFERENCE_NAME = "reference"
+REFERENCE_SOURCE = "rlconform.conformance.backends.reference:backend"
 
 
 @contextlib.contextmanager
@@ -43,12 +47,30 @@ def _no_session() -> Iterator[None]:
 
 @dataclass
 class Backend:
-    """One system under test.
+    r"""One system under test: a name, surface factories, capabilities and a session.
 
-    Each surface is a zero-argument factory returning a fresh instance, so every test gets its
-    own transport (or trainer, ...) and nothing leaks between tests. `session` is a context
-    manager entered once per test run around every test: a backend that needs a cluster (Ray,
-    a Mooncake master) starts it there and stops it on exit.
+    Every surface is a *factory*, called once per test so nothing leaks between tests:
+
+    | surface     | factory signature                                   | returns |
+    |-------------|-----------------------------------------------------|---------|
+    | `transport` | `()`                                                | an object with `put`, `get`, `list`, `clear`, `close` (ARCHITECTURE.md "Transport surface") |
+    | `codec`     | `(pixel_dtype: torch.dtype \| None = None)`         | an object with `encode(Batch) -> WireBatch`, `decode(WireBatch) -> Batch`; `pixel_dtype` casts POLICY media once, at encode |
+    | `meta`      | `()`                                                | a *class* with BatchMeta's constructor and algebra (`subset`, `slice`, `concat`, `drop`, `with_fields`, `stamp_tags`, `shard_for_dp`); every method returns that class |
+    | `batch_ops` | `()`                                                | an object with `truncate`, `pad_to`, `validate`, `multimodal_inputs` (reference: `reference_impl.batch.BatchOps`) |
+    | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model` (the policy module its passes run and its backward accumulates into; clauses hook its logits and gradients), `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer.py) |
+    | `rollout`   | `(family, settings)`                                | `generate(prompts, images, max_new_tokens, seed) -> Batch` (`max_new_tokens`: an int, or one cap per prompt, 0 allowed; EOS may end a completion early), `refit(state_dict)` |
+
+    rlconform composes a backend with the reference for the surfaces it lacks, so every clause
+    runs inside a whole step; a clause applies only where its surface is provided and its
+    capabilities are declared. `notes` says, per surface or capability left out, why (a
+    framework with nothing to wrap there): reports list every clause not tested with that
+    reason. `session` is a context manager entered once per test run around every test: a
+    backend that needs a cluster (Ray, a Mooncake master) starts it there and stops it on exit.
+
+    The common case, the reference with one surface replaced, is one call:
+    `Backend.from_reference("my-store", transport=MyStore)`. Every backend needs its own name:
+    reports go to `<report-dir>/<name>/`, and a run refuses a folder that holds another
+    backend's report.
     """
 
     name: str
@@ -61,6 +83,13 @@ class Backend:
     rollout: Callable[..., Any] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
     session: Callable[[], contextlib.AbstractContextManager] = _no_session
+    notes: dict[str, str] = field(default_factory=dict)
+    # where the backend was loaded from (`module:attr`, a bundled name's target, or
+    # `mutant:<name>`); set by `load_backend`, recorded in reports to keep report folders apart
+    source: str = ""
+    # the version of the system under test ("OpenRLHF 0.11.2", "NeMo-RL 0.5 at commit 7ea279a"):
+    # reports record it in backend_info, the scoreboard shows it
+    version: str = ""
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -72,6 +101,23 @@ class Backend:
             )
         if not self.surfaces:
             raise ValueError(f"backend {self.name!r} provides no surface; give one of {SURFACES}")
+        odd = sorted(set(self.notes) - set(SURFACES) - CAPABILITIES.keys())
+        if odd:
+            raise ValueError(f"backend {self.name!r} has notes on {odd}, which are neither "
+                             f"surfaces {SURFACES} nor capabilities {sorted(CAPABILITIES)}")
+
+    @classmethod
+    def from_reference(cls, name: str, *, description: str = "", **overrides: Any) -> Backend:
+        """The reference backend with some parts replaced (surfaces, capabilities, session,
+        notes), under its own `name`: `Backend.from_reference("my-store", transport=MyStore)`.
+        """
+        if not name or name == REFERENCE_NAME:
+            raise ValueError(f"a backend built from the reference needs its own name, not "
+                             f"{name!r}: its report would overwrite the reference's")
+        from rlconform.conformance.backends.reference import build
+
+        return build(name=name, description=description or f"the reference with "
+                     f"{', '.join(sorted(overrides)) or 'nothing'} replaced", **overrides)
 
     @property
     def surfaces(self) -> tuple[str, ...]:
@@ -86,7 +132,20 @@ class Backend:
             "description": self.description,
             "surfaces": list(self.surfaces),
             "capabilities": sorted(self.capabilities),
+            "notes": dict(self.notes),
+            "source": self.source,
+            **({"version": self.version} if self.version else {}),
         }
+
+
+def package_version(dist: str, label: str | None = None) -> str:
+    """`"<label> <installed version of dist>"` for `Backend.version`; "" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{label or dist} {version(dist)}"
+    except PackageNotFoundError:
+        return ""
 
 
 def _load_attr(spec: str) -> Any:
@@ -101,7 +160,7 @@ def _load_attr(spec: str) -> Any:
 def known_backends() -> dict[str, str]:
     """Backend name -> `module:attr` for every registered backend and mutant."""
     found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    found.setdefault("reference", "rlconform.conformance.backends.reference:backend")
+    found.setdefault(REFERENCE_NAME, REFERENCE_SOURCE)
     from rlconform.conformance.backends import BUNDLED
 
     for name, (spec, _reqs) in BUNDLED.items():
@@ -114,7 +173,9 @@ def load_backend(spec: str) -> Backend:
     if spec.startswith("mutant:"):
         from rlconform.conformance.mutants import get_mutant
 
-        return get_mutant(spec.removeprefix("mutant:")).backend()
+        backend = get_mutant(spec.removeprefix("mutant:")).backend()
+        backend.source = spec
+        return backend
     known = known_backends()
     if spec in known:
         target = known[spec]
@@ -135,4 +196,10 @@ def load_backend(spec: str) -> Backend:
         raise LookupError(f"backend {spec!r} ({target}) could not be loaded: {exc}") from exc
     if not isinstance(backend, Backend):
         raise TypeError(f"backend {spec!r} ({target}) is a {type(backend).__name__}, not a Backend")
+    if backend.name == REFERENCE_NAME and target != REFERENCE_SOURCE:
+        raise ValueError(
+            f"backend {spec!r} ({target}) calls itself {REFERENCE_NAME!r}, the bundled "
+            "reference's name, and would overwrite its report: give it its own name, e.g. "
+            "Backend.from_reference('my-store', transport=MyStore)")
+    backend.source = target
     return backend

@@ -154,7 +154,8 @@ _DATA_PLANE_CLAUSES = [
         "in order, and never share tag objects between metas.",
         "meta",
         B3 + "metadata sharding for data parallelism dropped per-row tags",
-        ("meta_subset_drops_tags", "meta_concat_misaligns_tags", "meta_shares_tag_dicts"),
+        ("meta_subset_drops_tags", "meta_concat_misaligns_tags", "meta_shares_tag_dicts",
+         "meta_drops_none_tag_values"),
     ),
     Clause(
         "META-DP-SHARD",
@@ -169,20 +170,22 @@ _DATA_PLANE_CLAUSES = [
     Clause(
         "BATCH-TRUNCATE",
         "truncation to a micro-batch sequence length MUST leave packed fields untouched and "
-        "truncate every per-token field in step with input_ids.",
+        "truncate every per-token field in step with input_ids, on its registered sequence "
+        "dim.",
         "batch_ops",
         B3 + "truncate_tensors narrowed every >=2-D tensor on dim 1: wire-form pixel_values "
         "silently cut, or narrow(): length > size",
-        ("truncate_narrows_media", "truncate_misses_per_token_map"),
+        ("truncate_narrows_media", "truncate_misses_per_token_map",
+         "truncate_position_ids_on_dim1"),
     ),
     Clause(
         "BATCH-PAD",
         "padding to a sequence length MUST exclude packed fields (media bytes after == before) "
-        "and pad every per-token field to that length.",
+        "and pad every per-token field to that length on its registered sequence dim.",
         "batch_ops",
         B3 + "materialize padded every tensor's dim 1 to the token seqlen: pixel_values "
         "inflated ~40x",
-        ("pad_media_to_seqlen",),
+        ("pad_media_to_seqlen", "pad_position_ids_on_dim1"),
     ),
     Clause(
         "BATCH-VALIDATE",
@@ -191,7 +194,8 @@ _DATA_PLANE_CLAUSES = [
         "batch_ops",
         B3 + "sequence-dim validator asserted dim 1 == seqlen on every tensor: AssertionError "
         "got shape [32, 1, 3] (image_grid_thw) at step 1",
-        ("validator_checks_media_seqlen", "validator_accepts_misaligned"),
+        ("validator_checks_media_seqlen", "validator_accepts_misaligned",
+         "validator_checks_dim1", "validator_skips_multi_dim_per_token"),
     ),
     Clause(
         "BATCH-STAGE-FIELDS",
@@ -201,6 +205,81 @@ _DATA_PLANE_CLAUSES = [
         B3 + "train fetch used a static text-only field list while the logprob fetch had images: "
         "probs_ratio_max 216-2661, min 0.0, mean ~0.998",
         ("train_inputs_text_only", "stage_inputs_drop_per_token_map"),
+    ),
+    # -- payload growth: per-row dict media, multi-dim per-token fields, batch algebra ------
+    Clause(
+        "WIRE-OBJECT",
+        "an object column (per-row dicts of media: verl multi_modal_inputs, OpenRLHF "
+        "mm_train_inputs) MUST decode exactly: None vs {} rows, each row's keys, list vs tensor "
+        "values, and every tensor's dtype, shape and bits, also when no row has media.",
+        "codec",
+        "verl keeps a text-only row as {} and OpenRLHF as None (BACKGROUND.md s8); a wire form "
+        "that normalises one into the other, fills missing keys or merges per-image lists "
+        "changes what the model gets",
+        ("codec_object_none_as_empty", "codec_object_missing_key_as_empty",
+         "codec_object_lists_concatenated"),
+    ),
+    Clause(
+        "WIRE-SEQ-DIM",
+        "a per-token field MUST travel cut at each row's length on its registered sequence dim "
+        "(position_ids [B, 3|4, S] on its last dim; the reference row is (len_i, *other dims)) "
+        "and decode to the same tensor.",
+        "codec",
+        "M-RoPE position ids are (B, 3 or 4, S) in verl and become jagged after padding removal "
+        "(BACKGROUND.md s8); code that cuts dim 1 cuts the channels",
+        ("codec_cuts_per_token_dim1",),
+    ),
+    Clause(
+        "BATCH-OBJECT-INPUTS",
+        "multimodal_inputs(stage) MUST give the same model inputs (names, dtype, shape, bits) "
+        "whether the media are packed fields or a per-row dict column with {} or None "
+        "text-only rows.",
+        "batch_ops",
+        "verl builds stage inputs from non_tensor_batch['multi_modal_inputs'] "
+        "(extract_multi_modal_inputs); skipping text-only rows or the dict column misaligns or "
+        "drops media, the train-fetch fingerprint of BACKGROUND.md s3",
+        ("object_inputs_ignored", "object_inputs_concat_rows"),
+    ),
+    Clause(
+        "BATCH-ALGEBRA",
+        "select, concat and split MUST keep every field of every row exactly (packed media "
+        "with their segments, per-row dicts with {} vs None, multi-dim per-token fields, "
+        "media-free and uneven chunks, chunks of differing widths) and MUST NOT share a row's "
+        "dict with the source.",
+        "batch_ops",
+        "frameworks' own batch algebra (verl DataProto chunk/concat/select_idxs, OpenRLHF "
+        "Experience split/concat, NeMo-RL BatchedDataDict slicing): flat media re-cut by row "
+        "count or renumbered on concat reach the wrong sample",
+        ("concat_renumbers_media", "concat_densifies_media", "split_pixels_by_row_count",
+         "select_shares_dict_rows", "concat_object_none_as_empty"),
+        capabilities=("batch_algebra",),
+    ),
+    Clause(
+        "BATCH-MICRO-BATCH",
+        "micro_batches(batch, n, shuffle_seed) MUST give n micro-batches that hold every row "
+        "exactly once with exactly its media and per-token fields, keep the order without a "
+        "seed, permute whole rows by the seed (reproducibly), and concatenate back, in "
+        "recorded order, to the batch.",
+        "batch_ops",
+        "TRL's micro-batch split/shuffle (split_tensor_dict drops rows when B % n != 0; "
+        "shuffle_sequence_dict with split_pixel_values_by_grid moves media with their row) and "
+        "verl's rearrange_micro_batches: a shuffle that permutes tensors but not media trains "
+        "on the wrong images",
+        ("micro_batch_drops_remainder", "shuffle_leaves_media_in_place",
+         "micro_batch_ignores_seed"),
+        capabilities=("micro_batching",),
+    ),
+    Clause(
+        "DP-OBJECT",
+        "a transport that stores object columns MUST return each row of an ObjectColumn "
+        "exactly (None vs {}, keys, list values, dtype, shape, bits) for any subset and order "
+        "of keys, never aliased with the caller's or a later fetch's rows.",
+        "transport",
+        "verl moves multi_modal_inputs as an object array of per-row dicts and OpenRLHF "
+        "mm_train_inputs as a list (BACKGROUND.md s8); a store holding them by reference lets "
+        "one stage's pop or in-place cast reach every later fetch",
+        ("transport_object_rows_aliased", "transport_object_none_as_empty"),
+        capabilities=("object_columns",),
     ),
 ]
 

@@ -32,6 +32,53 @@ RATIO_CANARY_RTOL = 1e-5  # float32 rounding of (prev + shift): ~2e-7 relative
 # bf16 up to 5e-3 with SDPA; eager attention is usually bitwise)
 TRUNCATION_LOGPROB_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
+# -- trainer numerics: expected values that do not come from the trainer under test ------
+# Unit roundoff u (round to nearest) of the dtype a gradient is accumulated in.
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+
+
+def loss_reorder_tol(n_tokens: int, l1: float) -> float:
+    """How far a float32 loss over `n_tokens` loss tokens may move when its sums are taken in
+    another order: 2 * gamma_m * l1 with m = 2 n (each token's term, plus at most one division
+    and one accumulation per micro-batch), gamma_m = m u / (1 - m u), u = 2**-24, and `l1` the
+    loss's absolute mass sum|l_t| / N (Higham, Accuracy and Stability of Numerical Algorithms,
+    2nd ed., s4.2: recursive summation error <= gamma_(n-1) sum|x_i|). The loss is float32
+    arithmetic on float32 logprobs whatever the model dtype. Measured (CPU, 3 families, 6
+    splits, fp32 and bf16): <= 4.4e-8 * l1, against a bound of ~4.5e-6 * l1 for 19 tokens."""
+    m = 2 * max(1, n_tokens)
+    u = UNIT_ROUNDOFF[torch.float32]
+    return 2 * (m * u / (1 - m * u)) * l1
+
+
+# Per-parameter gradients and the grad norm of one step cut two ways (or recomputed): relative
+# L2 difference. fp32: the reductions over tokens and rows run in another order (gamma_n as
+# above, per element); measured <= 1.5e-7 on CPU (recompute: 6.7e-8), tolerance ~70x that.
+# bf16: .grad accumulates in bfloat16 (u = 2**-8 = 3.9e-3, one rounding per micro-batch);
+# measured <= 3.9e-3 (recompute: 3.5e-3), tolerance 8u (gamma_8: up to 8 accumulations per
+# step here). The defects the clauses exist for move the gradient by >= 0.67 (relative L2).
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8 * UNIT_ROUNDOFF[torch.bfloat16]}
+# The weight update (W_after - W_before) of one step cut two ways: relative L2 difference.
+# AdamW's first step moves each weight by lr * g / (|g| + eps), about +-lr whatever |g|, so
+# the update follows the sign of each gradient entry: entries within the reorder noise of 0
+# may flip (2 lr each), and bf16 rounds W + update at its 2**-8 relative spacing. Measured
+# (CPU) <= 2.5e-5 fp32, <= 3.7e-2 bf16; tolerance ~40x and ~7x; the aggregation defects move
+# the update by >= 1.0. (Adam hides a gradient scale: the grad check covers that.)
+UPDATE_RTOL = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+# TRAIN-LOSS-CLOSED-FORM: the ratio chosen for the k-th completion token of each row (k mod 6):
+# above and below the clip range (clip 0.2) and inside it, none on a bound, so with advantages
+# of both signs every branch of the clipped surrogate is taken.
+CLOSED_FORM_RATIOS = (2.0, 0.5, 1.1, 0.9, 1.5, 0.7)
+# Step loss vs the closed form (and vs the autograd recompute), relative to the loss's absolute
+# mass: the stored prev is float32 (logp - ln r), rounded at |logp| <~ ln V + 1 ~ 6 (u * 6 ~
+# 4e-7 relative per token's ratio), plus the reorder bound; measured <= 3.3e-8 (recompute:
+# 2.0e-8), fp32 and bf16 alike (the loss is float32 arithmetic).
+CLOSED_FORM_LOSS_RTOL = 1e-5
+# Gradient w.r.t. the logits vs (1/N) coef (onehot - softmax), L1 relative per position: the
+# gradient is formed in float32 (fp32: a few ulps), and for a bf16 model cast once to bfloat16
+# on its way back through the logits' .float() (2**-9 relative per element); measured
+# <= 2.0e-7 fp32, <= 2.2e-3 bf16. A missing softmax term is an L1 error ~0.5.
+LOGIT_GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6}
+
 _BITWISE = ("bitwise: same weights, and every pass splits a shard into the same micro-batches "
             "(members, order, padding are a function of the sequence lengths and settings), "
             "eager attention; CPU and CUDA, fp32 and bf16")
@@ -106,6 +153,80 @@ TRAINER_CLAUSES: list[Clause] = [
         regime=_BITWISE + "; reference_kl == 0 exactly at step 0.",
     ),
     Clause(
+        "TRAIN-SPLIT-INVARIANCE",
+        "One step's loss, grad norm, per-parameter gradients and weight update MUST NOT "
+        "depend on how the step is cut: one micro-batch, micro-batches of 1 and 2, a token "
+        "budget, 2 and 3 data-parallel ranks, on a batch whose rows hold different numbers of "
+        "loss tokens (one none); and a row's prev logprobs MUST NOT depend on its micro-batch.",
+        "trainer",
+        "a loss normalised per micro-batch (the transformers gradient-accumulation bug, fixed "
+        "in 4.46: right only when every micro-batch has the same token count), gradients "
+        "averaged over ranks with the wrong divisor and per-token advantages broadcast on "
+        "the wrong axis live in code both trainer paths share: TRAIN-LEGACY-PARITY cannot "
+        "see them",
+        ("loss_mean_per_micro_batch", "dp_grad_wrong_divisor", "advantage_wrong_axis",
+         "dynamic_batching_misaligns_media"),
+        regime="not bitwise in general: the loss and gradient sums run in another order per "
+        "split. Loss: |diff| <= 2 gamma_2N sum|l_t| / N (float32 reordering bound, Higham "
+        "s4.2; N loss tokens; measured <= 4.4e-8 sum|l_t| / N). Grad norm and per-parameter "
+        f"gradients (relative L2, overall and per tensor): <= {GRAD_RTOL[torch.float32]:g} "
+        f"fp32 (measured 1.5e-7), <= {GRAD_RTOL[torch.bfloat16]:.3g} bf16 (8 u_bf16: .grad "
+        "accumulates in bf16; measured 3.9e-3). Weight update (relative L2): <= "
+        f"{UPDATE_RTOL[torch.float32]:g} fp32, <= {UPDATE_RTOL[torch.bfloat16]:g} bf16 "
+        "(AdamW's first step is ~lr * sign(g); measured 2.5e-5, 3.7e-2). Bitwise: "
+        "probs_ratio == 1.0 on every loss token of every split (a step's prev and train "
+        "passes share its micro-batches), and a row's loss-token prev logprobs across splits "
+        "for smolvlm and text on CPU with eager attention (the model's config says so; "
+        "measured bitwise over seeds 0-5, fp32 and bf16, gemma3 too). Qwen2-VL (and "
+        "Qwen3-VL) run every image of a micro-batch through one vision-tower matmul: its "
+        "fp32 logprobs move by up to 4.8e-7, so it and every CUDA run (kernels picked per "
+        "shape) get TRAIN-TRUNCATION-MEDIA's logprob tolerance.",
+    ),
+    Clause(
+        "TRAIN-LOSS-CLOSED-FORM",
+        "With the stored prev logprobs set to the trainer's own shifted by -ln r per loss "
+        "token (r cycling over 2, 0.5, 1.1, 0.9, 1.5, 0.7; advantages of both signs), the "
+        "step loss MUST be the token-mean over the step of -min(r A, clip(r, 1 - 0.2, "
+        "1 + 0.2) A), and the gradient w.r.t. the logits at the position predicting each "
+        "loss token MUST be (1/N) dl/dlogp (onehot(y) - softmax(z)), and exactly 0 at every "
+        "other position (prompt, padding, clipped tokens): both computed by plain arithmetic "
+        "in the test.",
+        "trainer",
+        "sequence-mean instead of token-mean aggregation and a clip applied as "
+        "min(ratio, 1 + eps) only are invariant to every split and invisible at ratio 1; a "
+        "token-logprob gather that detaches its log-normaliser gives the right values "
+        "(ratio 1) and a gradient without the -softmax term",
+        ("sequence_mean_loss", "clip_upper_only", "logprob_detached_normalizer",
+         "loss_mean_per_micro_batch", "advantage_wrong_axis", "forced_ratio_after_recompute"),
+        regime="not bitwise: the ratio comes from a float32 prev (logp - ln r). Loss: "
+        f"|diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (float32 rounding of prev at "
+        "|logp| ~ 6 is ~4e-7 per token; measured <= 3.3e-8). probs_ratio: the chosen r within "
+        f"rtol {RATIO_CANARY_RTOL:g}. Logit gradient, L1 relative per position: <= "
+        f"{LOGIT_GRAD_RTOL[torch.float32]:g} fp32, <= {LOGIT_GRAD_RTOL[torch.bfloat16]:g} "
+        "bf16 (formed in float32, cast once to bf16 for a bf16 model; measured 2.0e-7, "
+        "2.2e-3); exactly 0 (bitwise) where the loss has no gradient. Assumes "
+        "TRAIN-RATIO-ONE (train logprobs equal the prev pass's bitwise).",
+    ),
+    Clause(
+        "TRAIN-GRAD-RECOMPUTE",
+        "The step's loss, grad norm and per-parameter gradients (2 data-parallel ranks, "
+        "ratios as in TRAIN-LOSS-CLOSED-FORM) MUST equal plain autograd of the written-out "
+        "token-mean clipped loss on an independent copy of the initial model, fed row by row "
+        "from the processor's output with the completion appended (no batching, no padding, "
+        "no trainer code).",
+        "trainer",
+        "every defect between the logprobs and the optimizer (aggregation, clipping, "
+        "advantage broadcast, gather gradient, gradient reduction over ranks) shared by "
+        "both trainer paths; gradients averaged over ranks with the wrong divisor are hidden "
+        "from the weights by Adam's scale invariance",
+        ("dp_grad_wrong_divisor", "sequence_mean_loss", "clip_upper_only",
+         "logprob_detached_normalizer", "loss_mean_per_micro_batch", "advantage_wrong_axis"),
+        regime="not bitwise (per-row forwards vs the trainer's micro-batches, other reduction "
+        f"orders). Loss: |diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (measured 2.0e-8); "
+        "grad norm and per-parameter gradients (relative L2, overall and per tensor): as "
+        "TRAIN-SPLIT-INVARIANCE (measured 6.7e-8 fp32, 3.5e-3 bf16).",
+    ),
+    Clause(
         "GEN-LOGPROB-AGREEMENT",
         "The trainer's prev logprobs MUST agree with the rollout's generation logprobs: "
         "token_mult_prob_error within the dtype's tolerance and sampling_importance_ratio "
@@ -136,8 +257,10 @@ TRAINER_CLAUSES: list[Clause] = [
     ),
     Clause(
         "GEN-ORDINARY-TOKENS",
-        "The rollout MUST sample only ordinary tokens and give generation_logprobs exactly on "
-        "the completion tokens (token_mask), zero on prompt and padding.",
+        "The rollout MUST sample only ordinary tokens (an end-of-turn token only as a "
+        "completion's last token), stop within each row's cap (0: an empty completion) and "
+        "give generation_logprobs exactly on the completion tokens (token_mask), zero on "
+        "prompt and padding.",
         "rollout",
         "BACKGROUND.md s7: a random tiny model samples special tokens, including the image "
         "placeholder, which then breaks the recompute",

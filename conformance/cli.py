@@ -1,4 +1,5 @@
-"""`rlconform`: run the suite, list backends and clauses, run the mutants, diff and gate reports.
+"""`rlconform`: run the suite, list backends and clauses, run the mutants, diff and gate reports,
+and put every backend's report on one scoreboard.
 
 Exit codes: 0 success; 1 a clause failed / the gate failed / a mutant survived; 2 usage error or
 an invalid report.
@@ -29,6 +30,8 @@ def _cmd_backends(a, extra) -> int:
             b = load_backend(name).describe()
             print(f"{name:24} surfaces: {', '.join(b['surfaces'])}")
             print(f"{'':24} capabilities: {', '.join(b['capabilities']) or '-'}")
+            for what, why in b["notes"].items():
+                print(f"{'':24} no {what}: {why}")
         except Exception as exc:  # noqa: BLE001 - listing must go on past a broken backend
             print(f"{name:24} ({spec}) cannot be loaded: {exc}")
     return 0
@@ -103,11 +106,26 @@ def _cmd_gate(a, extra) -> int:
     return result.exit_code
 
 
+def _cmd_scoreboard(a, extra) -> int:
+    from rlconform.reports.scoreboard import write
+
+    md, html = a.md, a.html
+    if md is None and html is None:
+        md, html = f"{a.out}/scoreboard.md", f"{a.out}/scoreboard.html"
+    board = write(a.reports, md, html)
+    print(f"scoreboard: {len(board.entries)} reports x {len(board.clause_ids)} clauses -> "
+          f"{', '.join(str(p) for p in (md, html) if p)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlconform", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    from rlconform.conformance.plugin import options_help
+
     r = sub.add_parser("run", help="run the clause suite against a backend; extra args go to "
-                                   "pytest (e.g. --profile ci --device cuda --dtype bfloat16)")
+                                   "pytest (e.g. --profile ci --device cuda --dtype bfloat16)",
+                       epilog=options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--backend", default="reference", help="name, mutant:<name>, module:attr, "
                                                           "or all (every bundled backend)")
     r.add_argument("--workers", default="auto", help="pytest-xdist workers (0: in process)")
@@ -127,9 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gate", help="exit 0 only when the report may ship")
     g.add_argument("report")
     g.add_argument("--baseline", default=None)
+    s = sub.add_parser("scoreboard", help="every backend against every clause, from report.json "
+                                          "files or directories holding them (Markdown + HTML)")
+    s.add_argument("reports", nargs="+", help="report.json files, or directories: their "
+                                              "report.json files at any depth, *.json at the top")
+    s.add_argument("--md", default=None, help="write the Markdown page here")
+    s.add_argument("--html", default=None, help="write the HTML page here")
+    s.add_argument("--out", default="reports/out", help="without --md/--html: write "
+                                                        "scoreboard.md and scoreboard.html here")
     a, extra = p.parse_known_args(argv)
     handler = {"run": _cmd_run, "backends": _cmd_backends, "clauses": _cmd_clauses,
-               "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate}[a.cmd]
+               "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate,
+               "scoreboard": _cmd_scoreboard}[a.cmd]
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

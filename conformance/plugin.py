@@ -14,6 +14,7 @@ Load it with `-p rlconform.conformance.plugin` (`rlconform run` does). It
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import time
 from pathlib import Path
@@ -36,6 +37,72 @@ PROFILES = {
     # nightly: large search on the GPU box
     "nightly": dict(max_examples=300, deadline=None, print_blob=True),
 }
+# Capabilities a profile requires of every backend it judges: a backend that does not declare
+# one fails the run (a problem in the report) instead of quietly not testing it. The nightly
+# GPU job trains in bfloat16, so a backend that cannot carry it has not been judged there.
+PROFILE_REQUIRES: dict[str, frozenset[str]] = {
+    "dev": frozenset(),
+    "ci": frozenset(),
+    "nightly": frozenset({"bfloat16"}),
+}
+
+# The plugin's options, defined once: pytest_addoption registers them and `rlconform run --help`
+# lists them (they pass through to pytest).
+OPTIONS: list[tuple[str, dict]] = [
+    ("--backend", dict(default="reference",
+                       help="backend under test: a registered name, mutant:<name>, or "
+                            "module:attr")),
+    ("--profile", dict(default="dev", choices=sorted(PROFILES),
+                       help="hypothesis profile: dev (fast), ci (derandomized, bounded), "
+                            "nightly (large; requires " + ", ".join(
+                                sorted(PROFILE_REQUIRES["nightly"])) + ")")),
+    ("--require", dict(default="", metavar="CAP[,CAP]",
+                       help="capabilities the backend must declare (besides the profile's); "
+                            "a missing one fails the run")),
+    ("--device", dict(default="cpu", help="device for trainer clauses: cpu or cuda")),
+    ("--model-size", dict(default=None, choices=["tiny", "production"],
+                          help="trainer and rollout models: tiny (~2 layers, hidden 64; CPU CI) "
+                               "or production (published widths of a real checkpoint per "
+                               "family, random weights, built on the device; families without "
+                               "one are deselected) (default: $RLCONFORM_MODEL_SIZE or tiny)")),
+    ("--dtype", dict(default="float32", choices=["float32", "bfloat16"],
+                     help="policy dtype (pixel fields, trainer)")),
+    ("--seed", dict(type=int, default=0, help="seed for models and fixtures")),
+    ("--expectations", dict(default=None,
+                            help="waiver file (default: the backend's bundled expectations, "
+                                 "if any)")),
+    ("--replay", dict(default=None,
+                      help="re-run hypothesis tests with a failure blob from a report: "
+                           "VERSION:BLOB")),
+    ("--report-dir", dict(default="reports/out",
+                          help="reports go to REPORT_DIR/<backend>/")),
+    ("--no-report", dict(action="store_true", help="write no report files")),
+    ("--surfaces", dict(default=None,
+                        help="comma-separated surfaces: run only the clauses of these surfaces "
+                             "(a partial run: the gate fails it)")),
+    ("--wandb", dict(action="store_true",
+                     help="log the summary, metrics and report files to wandb (offline by "
+                          "default)")),
+]
+
+
+def options_help(skip: tuple[str, ...] = ("--backend",)) -> str:
+    """The plugin's options as `rlconform run --help` shows them (`skip`: the run command's
+    own options)."""
+    lines = ["options passed through to the clause run (pytest plugin rlconform):"]
+    for flag, kw in OPTIONS:
+        if flag in skip:
+            continue
+        meta = "" if kw.get("action") == "store_true" else " " + (
+            kw.get("metavar") or ("{" + ",".join(kw["choices"]) + "}" if "choices" in kw
+                                  else flag.lstrip("-").upper().replace("-", "_")))
+        default = kw.get("default")
+        tail = "" if default is None or default is False or default == "" \
+            else f" (default: {default})"
+        lines.append(f"  {flag}{meta}")
+        lines.append(f"      {kw['help']}{tail}")
+    lines.append("any other argument goes to pytest (e.g. -k EXPR, -x, -q)")
+    return "\n".join(lines)
 
 
 def _register_profiles() -> None:
@@ -49,25 +116,13 @@ def _register_profiles() -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("rlconform", "rlconform conformance suite")
-    g.addoption("--backend", default="reference",
-                help="backend under test: a registered name, mutant:<name>, or module:attr")
-    g.addoption("--profile", default="dev", choices=sorted(PROFILES),
-                help="hypothesis profile: dev (fast), ci (derandomized, bounded), nightly")
-    g.addoption("--device", default="cpu", help="device for trainer clauses: cpu or cuda")
-    g.addoption("--dtype", default="float32", choices=["float32", "bfloat16"],
-                help="policy dtype (pixel fields, trainer)")
-    g.addoption("--seed", type=int, default=0, help="seed for models and fixtures")
-    g.addoption("--expectations", default=None,
-                help="waiver file (default: the backend's bundled expectations, if any)")
-    g.addoption("--replay", default=None,
-                help="re-run hypothesis tests with a failure blob from a report: VERSION:BLOB")
-    g.addoption("--report-dir", default="reports/out",
-                help="reports go to REPORT_DIR/<backend>/")
-    g.addoption("--no-report", action="store_true", help="write no report files")
-    g.addoption("--surfaces", default=None,
-                help="comma-separated surfaces: run only the clauses of these surfaces")
-    g.addoption("--wandb", action="store_true",
-                help="log the summary, metrics and report files to wandb (offline by default)")
+    for flag, kw in OPTIONS:
+        g.addoption(flag, **kw)
+
+
+def required_capabilities(config: pytest.Config) -> frozenset[str]:
+    extra = {c.strip() for c in (config.getoption("--require") or "").split(",") if c.strip()}
+    return PROFILE_REQUIRES[config.getoption("--profile")] | extra
 
 
 class RlconformState:
@@ -77,10 +132,28 @@ class RlconformState:
         self.waivers, self.problems = load_waivers(
             self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
         )
+        self._check_requirements(config)
         self.results: dict[str, dict] = {}
         self.started = time.time()
         self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.report: dict | None = None
+
+    def _check_requirements(self, config: pytest.Config) -> None:
+        from rlconform.conformance.backend import CAPABILITIES
+
+        required = required_capabilities(config)
+        unknown = sorted(required - CAPABILITIES.keys())
+        if unknown:
+            raise ValueError(f"--require names unknown capabilities {unknown}; known: "
+                             f"{sorted(CAPABILITIES)}")
+        lacking = sorted(required - self.backend.capabilities)
+        if lacking:
+            clauses = [c.id for c in catalogue.CLAUSES
+                       if set(c.capabilities) & set(lacking)]
+            self.problems.append(
+                f"profile {config.getoption('--profile')!r} requires capabilities {lacking}, "
+                f"which backend {self.backend.name!r} does not declare (clauses not tested: "
+                f"{', '.join(clauses) or 'none'})")
 
     # registered as a plugin object: on the xdist controller this sees every worker's reports
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -97,11 +170,23 @@ _KEY = pytest.StashKey[RlconformState]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clause(*ids): ties a test to conformance clauses")
+    from rlconform.fixtures import sizes
+
+    if config.getoption("--model-size"):  # the workers inherit the environment
+        os.environ[sizes.SIZE_ENV] = config.getoption("--model-size")
+    try:
+        sizes.model_size()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from exc
     try:
         st = RlconformState(config)
     except (LookupError, TypeError, ValueError) as exc:
         raise pytest.UsageError(str(exc)) from exc
     config.stash[_KEY] = st
+    if not hasattr(config, "workerinput") and not config.getoption("--no-report"):
+        clash = report_dir_clash(report_folder(config, st.backend), st.backend)
+        if clash:
+            raise pytest.UsageError(clash)
     config.pluginmanager.register(st, "rlconform-state")
     _register_profiles()
     from hypothesis import settings
@@ -139,6 +224,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
+    _deselect_sizeless_families(config, items)
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if not ids:
@@ -161,6 +247,30 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
             _apply_replay(item, replay)
     if errors:
         raise pytest.UsageError("clause tests are misdeclared:\n  " + "\n  ".join(errors))
+
+
+MODEL_SURFACES = ("trainer", "rollout")
+
+
+def _deselect_sizeless_families(config: pytest.Config, items) -> None:
+    """At a model size a family lacks (production: the 7-8B families), its trainer and rollout
+    tests are deselected, never skipped or silently run at another size; the report's
+    provenance names the size and the models."""
+    from rlconform.fixtures.sizes import has_size, model_size
+
+    size = model_size()
+    dropped = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        family = callspec.params.get("family") if callspec else None
+        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        on_models = any(catalogue.BY_ID[i].surface in MODEL_SURFACES for i in ids
+                        if i in catalogue.BY_ID)
+        if isinstance(family, str) and on_models and not has_size(family, size):
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
 
 
 def _apply_replay(item, replay: str) -> None:
@@ -251,6 +361,21 @@ def seed(request) -> int:
     return request.config.getoption("--seed")
 
 
+@pytest.fixture(autouse=True)
+def _release_device_memory(request):
+    """After each test on CUDA, free what its models held: at production widths a trainer
+    (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds its own."""
+    yield
+    if not request.config.getoption("--device").startswith("cuda"):
+        return
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def record_metric(request):
     """`record_metric(name, values, step=None)`: a distribution (tensor/list) or a scalar."""
@@ -337,7 +462,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     report = build_report(st, config)
     report_dir = None
     if not config.getoption("--no-report"):
-        report_dir = Path(config.getoption("--report-dir")) / _safe(st.backend.name)
+        report_dir = report_folder(config, st.backend)
         from rlconform.conformance.report_builder import write
 
         write(report, report_dir)
@@ -363,6 +488,30 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def report_folder(config: pytest.Config, backend: Backend) -> Path:
+    return Path(config.getoption("--report-dir")) / _safe(backend.name)
+
+
+def report_dir_clash(folder: Path, backend: Backend) -> str | None:
+    """Why `backend` must not write into `folder` (it holds another backend's report), or None.
+
+    Two backends with one name would overwrite each other's reports; the report records where
+    its backend was loaded from, and a run from another source refuses the folder."""
+    import json
+
+    path = folder / "report.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    theirs = (old.get("backend_info") or {}).get("source") or ""
+    if theirs and backend.source and theirs != backend.source:
+        return (f"{folder} holds the report of backend {old.get('backend')!r} loaded from "
+                f"{theirs}; this backend ({backend.source}) has the same name. Give it its own "
+                "name, or another --report-dir")
+    return None
 
 
 def _print_summary(tr, report: dict, report_dir: Path | None) -> None:

@@ -16,7 +16,7 @@ from rlconform.conformance import catalogue
 
 SCHEMA_VERSION = "1.0"
 KEY_PACKAGES = ("rlconform", "torch", "transformers", "tokenizers", "hypothesis", "pytest",
-                "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy")
+                "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy", "verl")
 
 
 def _version(pkg: str) -> str | None:
@@ -60,7 +60,7 @@ def _device_info(device: str) -> dict:
 def provenance(st, config) -> dict:
     now = time.time()
     return {
-        "rlconform_version": _version("rlconform"),
+        "rlconform_version": _version("rlconform") or "not installed (source tree)",
         "git_commit": os.environ.get("RLCONFORM_GIT_COMMIT") or _git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -70,11 +70,22 @@ def provenance(st, config) -> dict:
         "profile": config.getoption("--profile"),
         "dtype": config.getoption("--dtype"),
         "seed": config.getoption("--seed"),
+        **_model_size(),
         "started_at": st.started_at,
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "duration_s": round(now - st.started, 3),
         "command": " ".join(sys.argv),
     }
+
+
+def _model_size() -> dict:
+    from rlconform.fixtures.sizes import PRODUCTION, PRODUCTION_MODELS, model_size
+
+    size = model_size()
+    out: dict = {"model_size": size}
+    if size == PRODUCTION:
+        out["models"] = {f: f"{m} widths, random weights" for f, m in PRODUCTION_MODELS.items()}
+    return out
 
 
 def clause_status(tests: list[dict], waived: bool) -> str:
@@ -178,16 +189,49 @@ def build_report(st, config) -> dict:
         "summary": summary,
         "clauses": clauses,
         "deselected": deselected,
+        "not_tested": not_tested(st.backend),
         "kill_matrix": _kill_matrix(config, st.backend.name),
+        "mutant_effects": _beside_mutants(config, st.backend.name, "mutant_effects.json"),
         "problems": problems,
     }
 
 
+NOT_DECLARED = "not declared by the backend (it gave no reason)"
+
+
+def not_tested(backend) -> list[dict]:
+    """Clauses that did not apply, grouped by the surface (or capabilities) the backend left
+    out, with the backend's note saying why: a gate that passes must not hide what it never
+    looked at."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for c in catalogue.CLAUSES:
+        if not backend.provides(c.surface):
+            key = ("surface", c.surface)
+        else:
+            lacking = [cap for cap in c.capabilities if cap not in backend.capabilities]
+            if not lacking:
+                continue
+            key = ("capability", ", ".join(lacking))
+        groups.setdefault(key, []).append(c.id)
+    out = []
+    for (kind, name), ids in groups.items():
+        why = [backend.notes[n] for n in name.split(", ") if n in backend.notes]
+        out.append({"kind": kind, "name": name, "clauses": ids,
+                    "why": "; ".join(why) or NOT_DECLARED})
+    return out
+
+
 def _kill_matrix(config, backend_name: str) -> dict | None:
     """The last mutant run's matrix, shown in the reference backend's report."""
+    return _beside_mutants(config, backend_name, "mutants/kill_matrix.json")
+
+
+def _beside_mutants(config, backend_name: str, name: str) -> dict | None:
+    """A mutant measurement of the last run under the report dir (the kill matrix, the
+    mutants' numeric effects), shown in the reference backend's report."""
     if backend_name != "reference":
         return None
-    p = Path(config.getoption("--report-dir")) / "mutants" / "kill_matrix.json"
+    p = Path(config.getoption("--report-dir")) / name
     if not p.is_file():
         return None
     import json

@@ -4,7 +4,11 @@ Packed media travel as one jagged nested tensor per field (row i: the flattened 
 logical row i) with the segment shapes on row i's tag, so the decoder rebuilds row boundaries from
 what the encoder recorded and never from the data: rows that happen to share a shape are not
 densified, `None` rows come back as `None`, not as `(0, ...)` tensors. Per-token fields travel
-jagged by sequence length; per-sample fields as they are.
+jagged by sequence length (row i is `(len_i, *other dims)`, cut on the field's registered
+sequence dim); per-sample fields as they are. An object column (per-row dicts of media) travels
+flattened: a dense int8 column `<field>` (1: a dict row, 0: a None row) that selects the field,
+one jagged column `<field>.<key>` per dict key, and each row's keys, shapes and list-ness on its
+tag (`None` for a None row, `{}` for an empty dict), so it decodes exactly.
 """
 
 from __future__ import annotations
@@ -16,11 +20,22 @@ from torch import Tensor
 
 from .batch import Batch
 from .dataplane import gather, jagged_from_values, jagged_rows, split_rows
+from .objects import ObjectColumn
 from .packed import PackedTensor
-from .registry import FAMILIES, DtypePolicy, Kind, spec
+from .registry import FAMILIES, FIELDS, DtypePolicy, Kind, spec
 
 SEQ_LEN_TAG = "seq_len"
 FAMILY_TAG = "family"
+OBJECT_SEP = "."  # wire column of key `k` of object field `f`: "f.k"
+
+
+def column_field(column: str) -> str:
+    """The registered field a wire column belongs to (`multi_modal_inputs.pixel_values` ->
+    `multi_modal_inputs`); other columns are their field."""
+    head, sep, _ = column.partition(OBJECT_SEP)
+    if sep and head in FIELDS and FIELDS[head].kind is Kind.OBJECT:
+        return head
+    return column
 
 
 @dataclass
@@ -54,7 +69,6 @@ class ReferenceCodec:
             raise ValueError(f"cannot encode an empty batch (0 rows) with fields "
                              f"{sorted(batch.fields)}; a rank with no rows fetches nothing")
         batch.validate()
-        b = batch.batch_size
         lens = batch.seq_lens.tolist()
         tags: list[dict] = [{SEQ_LEN_TAG: int(n)} for n in lens]
         if batch.family:
@@ -73,11 +87,65 @@ class ReferenceCodec:
                         else None)
                 columns[name] = self._encode_packed(name, v, cast, tags)
             elif fs.kind is Kind.PER_TOKEN:
-                columns[name] = jagged([v[i, : lens[i]].reshape(-1) if v.dim() == 2
-                                        else v[i, : lens[i]] for i in range(b)], v.dtype)
+                columns[name] = self._encode_per_token(name, v, lens)
+            elif fs.kind is Kind.OBJECT:
+                if not isinstance(v, ObjectColumn):
+                    raise TypeError(f"object field {name!r} must be an ObjectColumn, got "
+                                    f"{type(v).__name__}")
+                columns[name] = torch.tensor([r is not None for r in v.rows], dtype=torch.int8)
+                columns.update(self._encode_object(name, v, tags, fam))
             else:
                 columns[name] = v.detach().clone()
         return WireBatch(columns, tags)
+
+    @staticmethod
+    def _encode_per_token(name: str, v: Tensor, lens: list[int]) -> Tensor:
+        """Row i: the first `lens[i]` positions of the sequence dim, moved first."""
+        axis = spec(name).seq_axis(v.dim()) - 1  # in a row (batch dim gone)
+        rows = [v[i].narrow(axis, 0, n).movedim(axis, 0) for i, n in enumerate(lens)]
+        values = (torch.cat(rows) if rows else
+                  v.new_empty((0, *[d for k, d in enumerate(v.shape[1:]) if k != axis])))
+        return jagged_from_values(values, lens)
+
+    def _encode_object(self, name: str, v: ObjectColumn, tags: list[dict], fam
+                       ) -> dict[str, Tensor]:
+        """One jagged column per key (row i: key's tensors of row i, flattened; empty where
+        row i lacks the key) and row i's tag `{key: {"shape": s} | {"list": [s, ...]}}`."""
+        keys = v.keys()
+        flat: dict[str, list[Tensor]] = {k: [] for k in keys}
+        lengths: dict[str, list[int]] = {k: [] for k in keys}
+        for i, row in enumerate(v.rows):
+            if row is None:
+                tags[i][name] = None
+            else:
+                tag = {}
+                for key, value in row.items():
+                    ts = value if isinstance(value, (list, tuple)) else [value]
+                    tag[key] = ({"list": [list(t.shape) for t in ts]}
+                                if isinstance(value, (list, tuple)) else {"shape": list(value.shape)})
+                tags[i][name] = tag
+            for key in keys:
+                value = (row or {}).get(key)
+                ts = [] if value is None else value if isinstance(value, (list, tuple)) \
+                    else [value]
+                flat[key].extend(t.reshape(-1) for t in ts)
+                lengths[key].append(sum(t.numel() for t in ts))
+        columns = {}
+        for key in keys:
+            dtypes = sorted({str(t.dtype) for t in flat[key]})
+            if len(dtypes) > 1:
+                raise TypeError(f"object field {name!r} key {key!r} mixes dtypes {dtypes} across "
+                                "rows; one wire column holds one dtype")
+            fs = FIELDS.get(key)
+            dtype = flat[key][0].dtype if flat[key] else (
+                fs.dtypes[0] if fs is not None and fs.dtypes else torch.float32)
+            keep = fam is not None and key in fam.keep_dtype
+            if self.pixel_dtype is not None and fs is not None and not keep and \
+                    fs.dtype_policy is DtypePolicy.POLICY and dtype.is_floating_point:
+                dtype = self.pixel_dtype
+            values = gather(flat[key], dtype).to(dtype)  # one copy, over the machine's cores
+            columns[f"{name}{OBJECT_SEP}{key}"] = jagged_from_values(values, lengths[key])
+        return columns
 
     @staticmethod
     def _encode_packed(name, v: PackedTensor, cast, tags: list[dict]) -> Tensor:
@@ -118,8 +186,16 @@ class ReferenceCodec:
             raise KeyError(f"wire tag 'family' names unknown family {family!r}")
         lens = [self._tag(t, SEQ_LEN_TAG, i) for i, t in enumerate(wire.tags)]
         fields: dict = {}
+        objects: dict[str, dict[str, Tensor]] = {}
         for name, col in wire.columns.items():
+            owner = column_field(name)
+            if owner != name:
+                objects.setdefault(owner, {})[name[len(owner) + 1:]] = col
+                continue
             fs = spec(name)
+            if fs.kind is Kind.OBJECT:
+                objects.setdefault(name, {})
+                continue
             if fs.kind is Kind.PACKED:
                 fields[name] = self._decode_packed(name, col, wire.tags)
             elif fs.kind is Kind.PER_TOKEN:
@@ -128,6 +204,11 @@ class ReferenceCodec:
                 if col.is_nested:
                     raise TypeError(f"per-sample column {name!r} arrived jagged; it was dense")
                 fields[name] = col.clone()
+        for name, cols in objects.items():  # an object field is fetched by its own column
+            if name not in wire.columns:
+                raise KeyError(f"wire columns {sorted(f'{name}{OBJECT_SEP}{k}' for k in cols)} "
+                               f"came without object field {name!r}'s own column; fetch both")
+            fields[name] = self._decode_object(name, cols, wire.tags, wire.columns[name])
         if "input_lengths" not in fields:
             raise KeyError("wire batch lacks the 'input_lengths' column")
         got = fields["input_lengths"].tolist()
@@ -170,16 +251,71 @@ class ReferenceCodec:
             per_row.append([p.reshape(s) for p, s in zip(flat.split(sizes), shapes)])
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
+    def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict],
+                       present: Tensor) -> ObjectColumn:
+        if present.is_nested or present.dim() != 1:
+            raise TypeError(f"object field {name!r}'s own column must be dense (B,), got "
+                            f"{'jagged' if present.is_nested else list(present.shape)}")
+        for key, col in cols.items():
+            if not col.is_nested:
+                raise TypeError(f"object column '{name}{OBJECT_SEP}{key}' arrived dense "
+                                f"{list(col.shape)}; it was written jagged")
+        # one copy of each column (the batch must not alias the wire); tensors are views of it
+        unbound = {key: split_rows(f"{name}{OBJECT_SEP}{key}", col, len(tags))[1]
+                   for key, col in cols.items()}
+        rows: list = []
+        for i, tag in enumerate(tags):
+            meta = self._tag(tag, name, i)
+            if meta is not None and not isinstance(meta, dict):
+                raise ValueError(f"row {i}'s tag for object field {name!r} is a "
+                                 f"{type(meta).__name__}; expected a dict or None")
+            if bool(present[i]) != (meta is not None):
+                raise ValueError(f"object field {name!r} row {i}: its column says "
+                                 f"{'a dict' if present[i] else 'None'}, its tag "
+                                 f"{'None' if meta is None else 'a dict'}")
+            unknown = sorted(set(meta or {}) - set(unbound))
+            if unknown:
+                raise KeyError(f"row {i}'s tag names keys {unknown} of object field {name!r} "
+                               f"that have no wire column '{name}{OBJECT_SEP}<key>'")
+            for key, parts in unbound.items():
+                if key not in (meta or {}) and parts[i].numel():
+                    raise ValueError(f"object column '{name}{OBJECT_SEP}{key}' row {i} has "
+                                     f"{parts[i].numel()} values but row {i}'s tag has no "
+                                     f"key {key!r}")
+            if meta is None:
+                rows.append(None)
+                continue
+            row = {}
+            for key, entry in meta.items():
+                where = f"object field {name!r} row {i} key {key!r}"
+                is_list = "list" in entry
+                shapes = entry["list"] if is_list else [entry.get("shape")]
+                if any(s is None for s in shapes):
+                    raise KeyError(f"{where}: tag lacks 'shape' or 'list'")
+                flat = unbound[key][i]
+                sizes = [int(torch.Size(s).numel()) for s in shapes]
+                if sum(sizes) != flat.numel():
+                    raise ValueError(f"{where}: tag shapes {shapes} need {sum(sizes)} values, the "
+                                     f"row has {flat.numel()}")
+                ts = [p.reshape(s) for p, s in zip(flat.split(sizes), shapes)]
+                row[key] = ts if is_list else ts[0]
+            rows.append(row)
+        return ObjectColumn(rows)
+
     @staticmethod
     def _decode_per_token(name: str, col: Tensor, lens: list[int], pad_value) -> Tensor:
+        """Rows `(len_i, *other)` back to `[B, ..., S, ...]` with S on the registered seq dim."""
         if not col.is_nested:
             raise TypeError(f"per-token column {name!r} arrived dense; it was written jagged")
         rows = jagged_rows(col)
         seq = max(lens) if lens else 0
-        out = torch.full((len(rows), seq), pad_value, dtype=col.dtype)
+        other = list(col.shape[2:])
+        axis = spec(name).seq_axis(2 + len(other)) - 1
+        shape = other[:axis] + [seq] + other[axis:]
+        out = torch.full((len(rows), *shape), pad_value, dtype=col.dtype)
         for i, (r, n) in enumerate(zip(rows, lens)):
             if r.shape[0] != n:
                 raise ValueError(f"per-token column {name!r} row {i} has {r.shape[0]} tokens, "
                                  f"its tag says seq_len {n}")
-            out[i, :n] = r
+            out[i].narrow(axis, 0, n).copy_(r.movedim(0, axis))
         return out

@@ -1,7 +1,8 @@
 """The reference transport: an in-memory, partitioned key/value column store.
 
 It is what every other transport is measured against: a column comes back in the layout it was
-written (dense as dense with its shape, jagged as jagged, 1-D as `(N,)`), a missing partition,
+written (dense as dense with its shape, jagged as jagged, 1-D as `(N,)`, an `ObjectColumn` of
+per-row dicts as an `ObjectColumn`: capability `object_columns`), a missing partition,
 key or field raises `KeyError` naming it, tags travel 1:1 with keys, and stored data never
 aliases a caller's tensor (one copy in at put, one copy out at get).
 """
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-DENSE, JAGGED = "dense", "jagged"
+from .objects import ObjectColumn
+
+DENSE, JAGGED, OBJECT = "dense", "jagged", "object"
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,13 @@ def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
     return gather([r.unsqueeze(0) for r in rows])  # torch.stack, in parallel
 
 
+def _split_objects(name: str, col: ObjectColumn, n: int) -> tuple[Layout, list]:
+    """An object column (capability `object_columns`): per-key rows, copied (dicts and tensors)."""
+    if len(col) != n:
+        raise ValueError(f"column {name!r} has {len(col)} rows for {n} keys")
+    return Layout(OBJECT, None, ()), col.clone().rows
+
+
 class InMemoryDataPlane:
     """Partition -> key -> field -> row tensor, with one recorded layout per (partition, field)."""
 
@@ -252,7 +262,8 @@ class InMemoryDataPlane:
         layouts = self._layouts.get(partition, {})
         staged: dict[str, tuple[Layout, list[Tensor]]] = {}
         for name, col in columns.items():  # validate everything before storing anything
-            layout, rows = split_rows(name, col, len(keys))
+            layout, rows = (_split_objects(name, col, len(keys)) if isinstance(col, ObjectColumn)
+                            else split_rows(name, col, len(keys)))
             old = layouts.get(name)
             if old is not None and old != layout:
                 raise ValueError(f"column {name!r} in partition {partition!r} was written as "
@@ -288,7 +299,9 @@ class InMemoryDataPlane:
             if layout is None or lacking:
                 raise KeyError(f"field {name!r} missing for keys {lacking[:8] or list(keys)[:8]} "
                                f"in partition {partition!r}")
-            out[name] = join_rows(name, layout, [part[k][name] for k in keys])
+            rows = [part[k][name] for k in keys]
+            out[name] = (ObjectColumn(rows).clone() if layout.kind == OBJECT
+                         else join_rows(name, layout, rows))
         tags = copy_tags([self._tags[partition][k] for k in keys])
         return out, tags
 

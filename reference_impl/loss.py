@@ -78,10 +78,12 @@ def grpo_loss(
 
     `normalizer` is the number of loss tokens in the whole step (every micro-batch of every
     data-parallel rank), so accumulating the micro-batch losses gives the same objective
-    whatever the split. `advantages` is `[B]` (one per sample, broadcast over its tokens).
+    whatever the split. `advantages` is `[B]` (one per sample, broadcast over its tokens) or
+    `[B, S]` (per token).
     """
     mask_f = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype)[:, None]
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv
     ratio = probs_ratio(logp, logp_prev)
     clamped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * adv, clamped * adv)

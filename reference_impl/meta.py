@@ -40,7 +40,8 @@ class BatchMeta:
         return len(self.keys)
 
     def _new(self, idx: Sequence[int], **kw) -> BatchMeta:
-        return BatchMeta(
+        # type(self): a backend's subclass survives every operation (subset of a subset, ...)
+        return type(self)(
             kw.get("partition", self.partition),
             [self.keys[i] for i in idx],
             list(kw.get("fields", self.fields)),
@@ -73,7 +74,7 @@ class BatchMeta:
         extra: dict = {}
         for m in metas:
             extra.update(copy.deepcopy(m.extra))
-        return BatchMeta(
+        return type(first)(
             first.partition,
             [k for m in metas for k in m.keys],
             list(first.fields),

@@ -19,6 +19,7 @@ class Kind(str, Enum):
     PACKED = "packed"  # jagged per sample, never sequence-aligned (dim 0 = patches/images/tiles)
     PER_TOKEN = "per_token"  # sequence-aligned `[B, S]`, padded and truncated like input_ids
     PER_SAMPLE = "per_sample"  # dense `[B, ...]`, one value (or fixed-shape block) per sample
+    OBJECT = "object"  # per-sample Python values (a dict of tensors, `{}` or None): ObjectColumn
 
 
 class DtypePolicy(str, Enum):
@@ -46,6 +47,21 @@ class FieldSpec:
     stages: frozenset[Stage] = ALL_STAGES
     pack_dim: int = 0
     pad_value: float = 0
+    # PER_TOKEN: the sequence-aligned dim (1 = `[B, S, ...]`; -1 = last, e.g. `[B, C, S]`)
+    seq_dim: int = 1
+    # PACKED: the packed field whose per-segment product (t*h*w) gives this field's dim-0 rows
+    # per segment, so a per-sample tensor splits back into segments (Qwen-VL pixel_values)
+    grid: str | None = None
+    # OBJECT: a media-free row is `{}` (verl) when True, None (OpenRLHF) when False
+    empty_as_dict: bool = False
+
+    def seq_axis(self, ndim: int) -> int:
+        """The sequence dim of a PER_TOKEN tensor of rank `ndim` (>= 2), as a positive index."""
+        axis = self.seq_dim + ndim if self.seq_dim < 0 else self.seq_dim
+        if ndim < 2 or not 1 <= axis < ndim:
+            raise ValueError(f"per-token field {self.name!r} needs a sequence dim "
+                             f"(seq_dim {self.seq_dim}) after the batch dim; got rank {ndim}")
+        return axis
 
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,8 +69,9 @@ _INT = (torch.int64, torch.int32)
 _MASK = (torch.int64, torch.int32, torch.bool)
 
 
-def _packed(name, *, policy=DtypePolicy.KEEP, dtypes=_INT, coupled=(), pack_dim=0):
-    return FieldSpec(name, Kind.PACKED, True, policy, dtypes, coupled, ALL_STAGES, pack_dim)
+def _packed(name, *, policy=DtypePolicy.KEEP, dtypes=_INT, coupled=(), pack_dim=0, grid=None):
+    return FieldSpec(name, Kind.PACKED, True, policy, dtypes, coupled, ALL_STAGES, pack_dim,
+                     grid=grid)
 
 
 _TRAIN = frozenset({Stage.TRAIN})
@@ -74,6 +91,9 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec("prompt_lengths", Kind.PER_SAMPLE, dtypes=_INT, stages=_NONE),
         FieldSpec("rewards", Kind.PER_SAMPLE, dtypes=(torch.float32,), stages=_NONE),
         FieldSpec("advantages", Kind.PER_SAMPLE, dtypes=(torch.float32,), stages=_TRAIN),
+        # computed once (M-RoPE: the model's get_rope_index) and shipped: `[B, S]` for text,
+        # `[B, 3, S]` for M-RoPE, `[B, 4, S]` in verl's Qwen-VL layout (text row + 3 M-RoPE rows)
+        FieldSpec("position_ids", Kind.PER_TOKEN, dtypes=(torch.int64,), seq_dim=-1),
         # per-token multimodal maps: drive M-RoPE (Qwen-VL) and image attention (Gemma3)
         FieldSpec("mm_token_type_ids", Kind.PER_TOKEN, multimodal=True, dtypes=_INT),
         FieldSpec("token_type_ids", Kind.PER_TOKEN, multimodal=True, dtypes=_INT),
@@ -83,9 +103,12 @@ FIELDS: dict[str, FieldSpec] = {
             policy=DtypePolicy.POLICY,
             dtypes=_FLOAT,
             coupled=("image_grid_thw", "image_sizes", "imgs_sizes", "num_frames",
-                     "pixel_attention_mask"),
+                     "pixel_attention_mask", "images_seqlens"),
+            grid="image_grid_thw",
         ),
         _packed("image_grid_thw", coupled=("pixel_values",)),
+        # verl: h*w per image frame, which it keeps next to the media in multi_modal_inputs
+        _packed("images_seqlens", coupled=("pixel_values",)),
         _packed("image_sizes", coupled=("pixel_values",)),
         _packed("imgs_sizes", coupled=("pixel_values",)),
         _packed("num_frames", coupled=("pixel_values",)),
@@ -96,6 +119,7 @@ FIELDS: dict[str, FieldSpec] = {
             policy=DtypePolicy.POLICY,
             dtypes=_FLOAT,
             coupled=("video_grid_thw", "second_per_grid_ts"),
+            grid="video_grid_thw",
         ),
         _packed("video_grid_thw", coupled=("pixel_values_videos",)),
         _packed("second_per_grid_ts", dtypes=(torch.float32,), coupled=("pixel_values_videos",)),
@@ -107,6 +131,11 @@ FIELDS: dict[str, FieldSpec] = {
             coupled=("feature_attention_mask",),
         ),
         _packed("feature_attention_mask", dtypes=_MASK, coupled=("input_features",)),
+        # per-sample media as per-row dicts of packed fields (reference_impl.objects.ObjectColumn)
+        # verl: DataProto.non_tensor_batch["multi_modal_inputs"], `{}` for a text-only row
+        FieldSpec("multi_modal_inputs", Kind.OBJECT, multimodal=True, empty_as_dict=True),
+        # OpenRLHF: Experience.mm_train_inputs, None for a text-only row
+        FieldSpec("mm_train_inputs", Kind.OBJECT, multimodal=True),
     ]
 }
 

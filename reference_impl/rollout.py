@@ -1,8 +1,12 @@
 """The reference rollout: HF `generate` with per-token generation logprobs, into a `Batch`.
 
 Why it is shaped this way (BACKGROUND.md section 7):
-- sampling is restricted to ordinary tokens: a random tiny policy otherwise samples the image
-  placeholder or control tokens, and the trainer's recompute of such a sequence breaks;
+- sampling is restricted to ordinary tokens and the family's end-of-turn tokens (EOS): a random
+  tiny policy otherwise samples the image placeholder or control tokens, and the trainer's
+  recompute of such a sequence breaks; a sampled EOS ends the completion (it is its last token);
+- `max_new_tokens` may be one cap per prompt (as engines take per-request limits), 0 included
+  (an empty completion: a row with no loss token), so completions differ in length and
+  token-mean, sequence-mean and per-micro-batch means of a loss differ;
 - `generation_logprobs` are the log-softmax (float32) of the *raw* logits of each sampled token
   over the full vocabulary, the same distribution the trainer's recompute scores, so
   token_mult_prob_error measures engine-vs-trainer numerics and nothing else;
@@ -16,6 +20,7 @@ Why it is shaped this way (BACKGROUND.md section 7):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,7 +77,9 @@ class HFRollout:
         self.model = model if model is not None else family.build_model(
             seed=settings.seed, dtype=settings.dtype, device=self.device)
         self.model.eval()
-        self.allowed = family.ordinary_token_ids()
+        # ordinary tokens, and EOS as a stop (HF generate ends the completion on it)
+        self.allowed = torch.cat([family.ordinary_token_ids(),
+                                  torch.tensor(family.eos_token_ids, dtype=torch.long)]).unique()
         self.registry_name = registry_family(family.name)
 
     # -- weights ------------------------------------------------------------------------
@@ -98,7 +105,10 @@ class HFRollout:
     @torch.no_grad()
     def sample(self, feats: dict[str, Tensor], max_new_tokens: int, seed: int
                ) -> tuple[Tensor, Tensor]:
-        """One prompt's completion ids `[T]` and their generation logprobs `[T]` (float32)."""
+        """One prompt's completion ids `[T]` and their generation logprobs `[T]` (float32);
+        `T <= max_new_tokens`, less when EOS was sampled (it is then the last id)."""
+        if max_new_tokens == 0:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float32)
         with _fork_rng(self.device):
             torch.manual_seed(seed)
             out = self.model.generate(
@@ -119,16 +129,22 @@ class HFRollout:
         trainer's recompute scores), not of the restricted sampling distribution."""
         return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
-    def generate(self, prompts: list[str], images: list[list[Any]], max_new_tokens: int,
-                 seed: int = 0) -> Batch:
+    def generate(self, prompts: list[str], images: list[list[Any]],
+                 max_new_tokens: int | Sequence[int], seed: int = 0) -> Batch:
+        """`max_new_tokens`: one cap for every prompt, or one per prompt (>= 0)."""
         if len(prompts) != len(images):
             raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
+            else [int(c) for c in max_new_tokens]
+        if len(caps) != len(prompts) or any(c < 0 for c in caps):
+            raise ValueError(f"max_new_tokens must be an int >= 0 or one per prompt "
+                             f"({len(prompts)}), got {max_new_tokens!r}")
         rows = []
-        for i, (prompt, imgs) in enumerate(zip(prompts, images)):
+        for i, (prompt, imgs, cap) in enumerate(zip(prompts, images, caps)):
             feats = self.family.process([prompt], [list(imgs)])
             if not bool(feats["attention_mask"].all()):
                 raise ValueError("a single-prompt processor output must have no padding")
-            completion, logp = self.sample(feats, max_new_tokens, seed * 1_000_003 + i)
+            completion, logp = self.sample(feats, cap, seed * 1_000_003 + i)
             rows.append((feats, completion, logp, len(imgs)))
         batch = self.assemble(rows)
         batch.extra["completions"] = [

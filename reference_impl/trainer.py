@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .codec import WireBatch
-from .loss import grpo_loss
+from .codec import WireBatch, column_field
+from .loss import LossOutput, grpo_loss
 from .registry import FAMILIES, Stage, stage_fields
 from .rollout import registry_family
 
@@ -197,21 +197,14 @@ class GRPOCore:
         """
         s = self.settings
         shards = [self.prepare(b) for b in shards]
-        normalizer = max(1.0, float(sum(int(b["token_mask"].sum()) for b in shards)))
+        normalizer = self.loss_normalizer(shards)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         metrics: dict[str, list[Tensor]] = {}
         for shard in shards:
             for _, mb in self.micro_batches(shard):
                 logp = self.token_logprobs(self.model, mb, Stage.TRAIN)
-                dev = logp.device
-                ref = mb.fields.get("reference_logprobs")
-                gen = mb.fields.get("generation_logprobs")
-                out = grpo_loss(
-                    logp, self.old_logprobs(mb, logp), mb["advantages"].to(dev),
-                    mb["token_mask"].to(dev), normalizer, s.clip_low, s.clip_high,
-                    None if ref is None else ref.to(dev), s.kl_coef,
-                    None if gen is None else gen.to(dev))
+                out = self.micro_batch_loss(mb, logp, normalizer)
                 out.loss.backward()
                 total += out.loss.detach().double().cpu()
                 for k, v in out.metrics.items():
@@ -225,6 +218,22 @@ class GRPOCore:
         self.steps += 1
         return StepResult(float(total), {k: torch.cat(v) for k, v in metrics.items()},
                           float(grad_norm), {"normalizer": normalizer, "step": self.steps})
+
+    def loss_normalizer(self, shards: Sequence[Batch]) -> float:
+        """The loss-token count of the whole step (every micro-batch of every rank): the loss
+        is a token-mean over the step, whatever the split."""
+        return max(1.0, float(sum(int(b["token_mask"].sum()) for b in shards)))
+
+    def micro_batch_loss(self, mb: Batch, logp: Tensor, normalizer: float) -> LossOutput:
+        """One micro-batch's share of the step loss (its token sum / `normalizer`)."""
+        s, dev = self.settings, logp.device
+        ref = mb.fields.get("reference_logprobs")
+        gen = mb.fields.get("generation_logprobs")
+        return grpo_loss(
+            logp, self.old_logprobs(mb, logp), mb["advantages"].to(dev),
+            mb["token_mask"].to(dev), normalizer, s.clip_low, s.clip_high,
+            None if ref is None else ref.to(dev), s.kl_coef,
+            None if gen is None else gen.to(dev))
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -272,8 +281,11 @@ class DataPlaneTrainer(_Trainer):
         self.codec = codec
 
     def stage_fields(self, meta, stage: Stage) -> list[str]:
-        """What `stage` fetches: every registered field it consumes that the meta holds."""
-        return [f for f in stage_fields(stage) if f in meta.fields]
+        """What `stage` fetches: every registered field it consumes that the meta holds (and the
+        `<field>.<key>` wire columns of an object field it consumes)."""
+        wanted = stage_fields(stage)
+        return [f for f in wanted if f in meta.fields] + [
+            c for c in meta.fields if column_field(c) != c and column_field(c) in wanted]
 
     def fetch(self, meta, stage: Stage) -> Batch:
         cols, tags = self.transport.get(meta.partition, meta.keys,

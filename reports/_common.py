@@ -34,6 +34,16 @@ def first_line(text: str | None, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def not_tested_lines(report: Mapping[str, Any], limit: int = 6) -> list[str]:
+    """One line per surface or capability the backend left out: its clauses, and why."""
+    out = []
+    for e in report.get("not_tested") or ():
+        ids = e["clauses"]
+        shown = ", ".join(ids[:limit]) + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
+        out.append(f"{e['kind']} {e['name']}: {shown}: {first_line(e['why'])}")
+    return out
+
+
 def fmt_num(value: Any) -> str:
     if value is None:
         return "—"
@@ -135,3 +145,39 @@ def is_flat(metric: Mapping[str, Any]) -> bool:
         return False
     lo, hi = float(metric["min"]), float(metric["max"])
     return hi - lo <= FLAT_RTOL * max(1.0, abs(hi), abs(lo))
+
+
+EFFECT_HEADER = ["Family", "Mutant", "probs_ratio min", "max", "mean", "tmpe mean", "tmpe max",
+                 "SIR mean", "Numeric gate alone", "Killed by (exact clauses)"]
+
+
+def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
+    """The mutants' numeric effect (e2e/mutant_effects.py) as table rows of plain text."""
+
+    def num(d: Mapping[str, Any] | None, key: str) -> str:
+        return "—" if not d or key not in d else f"{d[key]:.6g}"
+
+    rows = []
+    for r in effects["rows"]:
+        ratio, tmpe, sir = (r.get(k) or {} for k in ("probs_ratio", "token_mult_prob_error",
+                                                     "sampling_importance_ratio"))
+        verdict = {True: "catches", False: "misses", None: "crash"}.get(
+            r.get("numeric_gate_catches"), "—")
+        if r["mutant"] == "reference":
+            verdict = "—"
+        if r.get("error"):
+            verdict = "crash: " + first_line(r["error"], 80)
+        rows.append([r["family"], r["mutant"], num(ratio, "min"), num(ratio, "max"),
+                     num(ratio, "mean"), num(tmpe, "mean"), num(tmpe, "max"), num(sir, "mean"),
+                     verdict, ", ".join(r.get("killed_by") or []) or "—"])
+    return rows
+
+
+def mutant_effect_caption(effects: Mapping[str, Any]) -> str:
+    gates = "; ".join(f"{k} {v}" for k, v in (effects.get("gates") or {}).items())
+    return (f"One data-plane GRPO step per mutant and family at model size "
+            f"{effects.get('model_size', '?')} ({effects.get('device', '?')}, "
+            f"{effects.get('dtype', '?')}). Numeric gates: {gates}. A mutant the gates miss is "
+            "caught only by the exact clauses in the last column; mutants that need their own "
+            "settings (truncation, dynamic micro-batches, several steps) show no effect in a "
+            "plain step.")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import first_line
+from ._common import first_line, not_tested_lines
 from .model import ReportValidationError, as_report
 
 EXIT_OK = 0
@@ -42,12 +42,20 @@ class GateResult:
     ok: bool
     reasons: list[str] = field(default_factory=list)
     exit_code: int = EXIT_OK
+    # what the report never tested (surfaces and capabilities the backend left out): shown on
+    # a pass too, so a green gate does not read as "everything was checked"
+    not_tested: list[str] = field(default_factory=list)
 
     def render(self) -> str:
         if self.ok:
-            return "gate: PASS"
-        head = "gate: FAIL" if self.exit_code == EXIT_FAILED else "gate: ERROR (usage)"
-        return "\n".join([head, *(f"  - {r}" for r in self.reasons)])
+            head = "gate: PASS"
+        else:
+            head = "gate: FAIL" if self.exit_code == EXIT_FAILED else "gate: ERROR (usage)"
+        lines = [head, *(f"  - {r}" for r in self.reasons)]
+        if self.not_tested:
+            lines.append("  not tested (not applicable to this backend):")
+            lines += [f"  · {n}" for n in self.not_tested]
+        return "\n".join(lines)
 
 
 def _note(clause: Mapping[str, Any]) -> str:
@@ -160,6 +168,7 @@ def gate(
                         + (f": {msg}" if msg else "")
                     )
 
+    untested = not_tested_lines(report)
     if reasons:
-        return GateResult(False, reasons, EXIT_FAILED)
-    return GateResult(True, [], EXIT_OK)
+        return GateResult(False, reasons, EXIT_FAILED, untested)
+    return GateResult(True, [], EXIT_OK, untested)

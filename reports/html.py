@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ._common import (
+    EFFECT_HEADER,
     STATUS_LABEL,
     first_line,
     flatten,
@@ -27,6 +28,9 @@ from ._common import (
     kill_cell,
     kill_matrix_columns,
     metric_overview,
+    mutant_effect_caption,
+    mutant_effect_rows,
+    not_tested_lines,
     sorted_clauses,
 )
 from .diff import METRIC_TOLERANCES
@@ -343,6 +347,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         ("backend.surfaces", ", ".join(info["surfaces"])),
         ("backend.capabilities", ", ".join(info["capabilities"]) or "—"),
     ]
+    if info.get("source"):
+        provenance.append(("backend.source", info["source"]))
     provenance += [(k, fmt_num(v)) for k, v in flatten(report["provenance"])]
     surfaces = sorted({c["surface"] for c in clauses})
     context = {
@@ -363,6 +369,10 @@ def render_html(report: Mapping[str, Any]) -> str:
         "kill": kill,
         "problems": report.get("problems") or [],
         "deselected": report.get("deselected") or [],
+        "not_tested": not_tested_lines(report),
+        "effects": None if not (report.get("mutant_effects") or {}).get("rows") else {
+            "caption": mutant_effect_caption(report["mutant_effects"]),
+            "header": EFFECT_HEADER, "rows": mutant_effect_rows(report["mutant_effects"])},
         "provenance": provenance,
         "generated": report["provenance"].get("finished_at") or "",
         "version": report["provenance"].get("rlconform_version") or "",

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._common import (
+    EFFECT_HEADER,
     STATUS_EMOJI,
     STATUS_LABEL,
     flatten,
@@ -20,6 +21,9 @@ from ._common import (
     iter_metrics,
     kill_matrix_columns,
     metric_overview,
+    mutant_effect_caption,
+    mutant_effect_rows,
+    not_tested_lines,
     sorted_clauses,
 )
 from .gate import gate
@@ -79,6 +83,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     )
     lines.append(f"**score {fmt_score(summary['score'])}** · {counts} · {summary['total']} clauses")
     lines.append("")
+    info = report.get("backend_info") or {}
+    if info.get("description"):
+        lines.append(f"Backend: {escape(info['description'])}")
+        lines.append("")
+    shown = {e["name"] for e in report.get("not_tested") or ()}
+    notes = {k: v for k, v in (info.get("notes") or {}).items() if k not in shown}
+    if notes:  # notes on what the backend left out that no clause listed below names
+        lines.append("Not declared: " + "; ".join(f"{escape(k)}: {escape(v)}"
+                                                 for k, v in notes.items()))
+        lines.append("")
 
     if not verdict.ok:
         lines.append("### Why the gate fails")
@@ -122,6 +136,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.extend(fences)
             lines.append("")
 
+    untested = not_tested_lines(report)
+    if untested:
+        lines.append("### Not tested (not applicable to this backend)")
+        lines.extend(f"- {escape(n)}" for n in untested)
+        lines.append("")
     if report.get("deselected"):
         lines.append("### Not run in this report")
         lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")
@@ -185,6 +204,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(_table(["Clause", "Metric", "Kind", "n", "min", "mean", "max"], metric_rows))
         lines.append("")
 
+    effects = report.get("mutant_effects")
+    if effects and effects["rows"]:
+        lines.append("### Mutants' effect on the numeric metrics")
+        lines.append(escape(mutant_effect_caption(effects)))
+        lines.append("")
+        lines.extend(_table(EFFECT_HEADER, [[escape(x) for x in row]
+                                            for row in mutant_effect_rows(effects)]))
+        lines.append("")
+
     km = report.get("kill_matrix")
     if km and km["mutants"]:
         mutants = km["mutants"]
@@ -219,6 +247,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     info = report["backend_info"]
     rows.insert(0, ["backend.surfaces", escape(", ".join(info["surfaces"]))])
     rows.insert(1, ["backend.capabilities", escape(", ".join(info["capabilities"]) or "—")])
+    if info.get("source"):
+        rows.insert(2, ["backend.source", escape(info["source"])])
     lines.extend(_table(["Key", "Value"], rows))
     lines.append("")
     lines.append("</details>")

@@ -25,6 +25,7 @@ from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.codec import SEQ_LEN_TAG, ReferenceCodec, WireBatch, jagged
 from rlconform.reference_impl.dataplane import InMemoryDataPlane
 from rlconform.reference_impl.meta import BatchMeta
+from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import (
     FAMILIES,
@@ -334,6 +335,11 @@ class TestRegistry:
 # =====================================================================================
 # Batch
 # =====================================================================================
+def _seq(name: str, v: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Positions start..start+length of a per-token field, on its registered sequence dim."""
+    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+
+
 def _qwen() -> Batch:
     return build_batch("qwen2_vl", default_plan("qwen2_vl"), seed=3)
 
@@ -402,7 +408,7 @@ class TestBatch:
         t = b.truncate(3)
         t.validate()
         for name in b.names(Kind.PER_TOKEN):
-            assert torch.equal(t[name], b[name][:, :3])
+            assert torch.equal(t[name], _seq(name, b[name], 0, 3))
         assert t.seq_lens.tolist() == b.seq_lens.clamp(max=3).tolist()
         for name in b.names(Kind.PACKED):
             assert t[name] is b[name]  # media are never narrowed
@@ -417,9 +423,10 @@ class TestBatch:
         p = b.pad_to(s + 5)
         p.validate()
         for name in b.names(Kind.PER_TOKEN):
-            assert p[name].shape == (4, s + 5)
-            assert torch.equal(p[name][:, :s], b[name])
-            assert torch.count_nonzero(p[name][:, s:]) == 0
+            axis = spec(name).seq_axis(b[name].dim())
+            assert p[name].shape[axis] == s + 5 and p[name].shape[0] == 4
+            assert torch.equal(_seq(name, p[name], 0, s), b[name])
+            assert torch.count_nonzero(_seq(name, p[name], s, 5)) == 0
         for name in b.names(Kind.PACKED):
             assert p[name] is b[name]
         assert p.truncate(s) == b
@@ -574,10 +581,21 @@ def test_codec_cast_property(family, data):
         cast = (fs.kind is Kind.PACKED and fs.dtype_policy is DtypePolicy.POLICY
                 and name not in fam.keep_dtype and v.dtype is not None)
         want = v.to_dtype(torch.bfloat16) if cast else v
-        if isinstance(v, PackedTensor):
+        if isinstance(v, ObjectColumn):  # POLICY keys of the per-row dicts are cast too
+            want = ObjectColumn([None if r is None else {
+                k: _cast_value(x, spec(k).dtype_policy is DtypePolicy.POLICY
+                               and k not in fam.keep_dtype) for k, x in r.items()} for r in v])
+            assert want.first_difference(got) is None, (name, want.first_difference(got))
+        elif isinstance(v, PackedTensor):
             assert want.first_difference(got) is None, (name, want.first_difference(got))
         else:
             assert got.dtype == v.dtype and torch.equal(got, v), name
+
+
+def _cast_value(x, cast: bool):
+    if isinstance(x, list):
+        return [_cast_value(t, cast) for t in x]
+    return x.to(torch.bfloat16) if cast and x.is_floating_point() else x
 
 
 def _ragged(n: int) -> list[RowPlan]:
@@ -1094,3 +1112,415 @@ class TestInMemoryDataPlane:
         got = [r.tolist() for r in dp.get("p", ["a", "b"], ["x"])[0]["x"].unbind()]
         assert got == want
 
+
+
+# =====================================================================================
+# object columns, seq_dim, per-row dict form, batch algebra
+# =====================================================================================
+def _obj_rows() -> list:
+    return [
+        {"pixel_values": _f32(6, 4), "image_grid_thw": torch.tensor([[1, 2, 3]])},
+        {},
+        None,
+        {"pixel_values": [_f32(2, 3), _f32(1, 5)]},  # list value: images of differing widths
+    ]
+
+
+class TestObjectColumn:
+    def test_rows_and_views(self):
+        col = ObjectColumn(_obj_rows())
+        assert len(col) == 4 and col.is_none(2) and not col.is_none(1)
+        assert col.keys() == ["pixel_values", "image_grid_thw"]
+        assert col.nbytes() == (24 + 6 + 5) * 4 + 3 * 8
+        assert [k for k, _ in col.tensors(3)] == ["pixel_values", "pixel_values"]
+
+    @pytest.mark.parametrize("rows, message", [
+        ([5], r"row 0 is a int; rows are dicts or None"),
+        ([{"pixel_values": 1.0}], r"row 0 key 'pixel_values' is a float"),
+        ([None, {"pixel_values": [torch.ones(1), "x"]}], r"row 1 key 'pixel_values'\[1\] is a str"),
+        ([{3: torch.ones(1)}], r"row 0 has a non-string key 3"),
+    ])
+    def test_bad_rows_name_row_and_key(self, rows, message):
+        with pytest.raises(TypeError, match=message):
+            ObjectColumn(rows)
+        with pytest.raises(TypeError, match="sequence of rows"):
+            ObjectColumn({"pixel_values": torch.ones(1)})
+
+    def test_select_slice_concat_copy_dicts_share_tensors(self):
+        rows = _obj_rows()
+        col = ObjectColumn(rows)
+        rows[0]["extra"] = torch.ones(1)  # the caller's dicts are not the column's
+        assert "extra" not in col[0]
+        sel = col.select([3, 0, 0])
+        assert sel[1] is not col[0] and sel[1] is not sel[2]
+        assert sel[1]["pixel_values"] is col[0]["pixel_values"]  # tensors shared, like segments
+        sel[1].pop("image_grid_thw")
+        sel[0]["pixel_values"].append(torch.ones(1))
+        assert "image_grid_thw" in col[0] and len(col[3]["pixel_values"]) == 2
+        assert col.slice(1, 3) == ObjectColumn([{}, None])
+        assert ObjectColumn.concat([col.slice(0, 2), col.slice(2, 4)]) == col
+        with pytest.raises(IndexError, match="row index 4 out of range for 4 rows"):
+            col.select([4])
+        with pytest.raises(ValueError, match="at least one"):
+            ObjectColumn.concat([])
+
+    def test_clone_does_not_alias(self):
+        col = ObjectColumn(_obj_rows())
+        c = col.clone()
+        c[0]["pixel_values"].fill_(-1)
+        assert col[0]["pixel_values"][0, 0] == 1.0
+
+    @pytest.mark.parametrize("change, message", [
+        (lambda r: r.__setitem__(1, None), r"row 1 is None, expected \{\}"),
+        (lambda r: r.__setitem__(2, {}), r"row 2 is \{\}, expected None"),
+        (lambda r: r[0].pop("image_grid_thw"), r"row 0 has keys \['pixel_values'\], expected"),
+        (lambda r: r[0].__setitem__("image_grid_thw", torch.tensor([[1, 2, 3]], dtype=torch.int32)),
+         r"row 0 key 'image_grid_thw' dtype torch.int32, expected torch.int64"),
+        (lambda r: r[0].__setitem__("pixel_values", _f32(4, 6)),
+         r"row 0 key 'pixel_values' shape \[4, 6\], expected \[6, 4\]"),
+        (lambda r: r[0].__setitem__("pixel_values", -_f32(6, 4)), r"row 0 key 'pixel_values' values"),
+        (lambda r: r[3].__setitem__("pixel_values", torch.cat([_f32(2, 3).reshape(-1)])),
+         r"row 3 key 'pixel_values' is a Tensor, expected a list of 2 tensors"),
+        (lambda r: r[3]["pixel_values"].pop(), r"row 3 key 'pixel_values' has 1 tensors, expected 2"),
+        (lambda r: r.pop(), r"3 rows, expected 4"),
+    ])
+    def test_first_difference(self, change, message):
+        want = ObjectColumn(_obj_rows())
+        rows = _obj_rows()
+        change(rows)
+        why = want.first_difference(ObjectColumn(rows))
+        assert why is not None and re.search(message, why), why
+        assert want != ObjectColumn(rows)
+
+    def test_equality_is_bit_exact(self):
+        a = ObjectColumn([{"pixel_values": torch.tensor([float("nan"), 0.0, 1e-42])}])
+        assert a == a.clone()  # NaN == NaN bit for bit, subnormal kept
+        b = ObjectColumn([{"pixel_values": torch.tensor([float("nan"), -0.0, 1e-42])}])
+        assert a.first_difference(b) == "row 0 key 'pixel_values' values differ"
+
+
+class TestSeqDim:
+    def test_seq_axis(self):
+        pos = spec("position_ids")
+        assert pos.seq_dim == -1 and pos.kind is Kind.PER_TOKEN and pos.dtypes == (torch.int64,)
+        assert pos.seq_axis(2) == 1 and pos.seq_axis(3) == 2
+        assert spec("input_ids").seq_axis(3) == 1  # [B, S, k]: default seq_dim 1
+        with pytest.raises(ValueError, match="per-token field 'position_ids' needs a sequence dim"):
+            pos.seq_axis(1)
+
+    @pytest.mark.parametrize("channels", [0, 3, 4])
+    def test_truncate_pad_select_concat(self, channels):
+        b = build_batch("qwen2_vl", default_plan("qwen2_vl"), position_ids=channels)
+        pos = b["position_ids"]
+        s = b.seq_len()
+        assert pos.shape == ((4, s) if not channels else (4, channels, s))
+        assert torch.count_nonzero(pos[..., 6:][b.seq_lens <= 6]) == 0  # pad past each row
+        t = b.truncate(3)
+        assert torch.equal(t["position_ids"], pos[..., :3])
+        p = b.pad_to(s + 2)
+        assert torch.equal(p["position_ids"][..., :s], pos) and p["position_ids"].shape[-1] == s + 2
+        assert b.select([2, 0])["position_ids"].shape[:-1] == (2, *pos.shape[1:-1])
+        short = b.select([2]).truncate(int(b.seq_lens[2]))
+        cat = Batch.concat([short, b.select([0])])
+        cat.validate()
+        assert torch.equal(cat["position_ids"][0], p["position_ids"][2, ..., :s])
+
+    def test_validate_names_a_misaligned_position_ids(self):
+        b = build_batch("qwen2_vl", default_plan("qwen2_vl"), position_ids=3)
+        with pytest.raises(ValueError, match=r"'position_ids' has sequence dim 6 \(dim 2 of "
+                                             r"\[4, 3, 6\]\)"):
+            b.replace(position_ids=b["position_ids"][..., :-1]).validate()
+        with pytest.raises(ValueError, match=r"per-token field 'position_ids' must be \[B, S\]"):
+            b.replace(position_ids=b["position_ids"][:, 0, 0]).validate()
+        with pytest.raises(TypeError, match="field 'position_ids' has dtype torch.int32"):
+            b.replace(position_ids=b["position_ids"].int()).validate()
+
+    @pytest.mark.parametrize("channels", [0, 3, 4])
+    def test_codec_rows_are_len_by_other_dims(self, channels):
+        b = build_batch("qwen3_vl", default_plan("qwen3_vl"), position_ids=channels)
+        wire = CODEC.encode(b)
+        rows = wire.columns["position_ids"].unbind()
+        for i, r in enumerate(rows):
+            n = int(b.seq_lens[i])
+            want = b["position_ids"][i, ..., :n]
+            assert r.shape == ((n,) if not channels else (n, channels))
+            assert torch.equal(r, want.movedim(-1, 0))
+        assert CODEC.decode(wire) == b
+        assert CODEC.decode(_through_transport(wire)) == b
+
+    def test_seq_dim_1_with_trailing_dims(self, monkeypatch):
+        monkeypatch.setitem(registry.FIELDS, "routed_experts", FieldSpec(
+            "routed_experts", Kind.PER_TOKEN, dtypes=(torch.int16,)))  # verl: [B, S, L, K]
+        b = _qwen()
+        s = b.seq_len()
+        experts = torch.arange(4 * s * 6, dtype=torch.int16).reshape(4, s, 2, 3)
+        experts[~b["attention_mask"].bool()] = 0
+        b = b.replace(routed_experts=experts)
+        wire = CODEC.encode(b)
+        assert wire.columns["routed_experts"].unbind()[0].shape == (int(b.seq_lens[0]), 2, 3)
+        assert CODEC.decode(wire) == b
+        assert b.truncate(2)["routed_experts"].shape == (4, 2, 2, 3)
+
+
+def _without_empty_media(b: Batch) -> Batch:
+    return b.without(*[n for n, v in _packed_fields(b).items() if v.as_tensor() is None])
+
+
+class TestRowDicts:
+    def test_qwen_rows_hold_what_the_processor_emits_per_sample(self):
+        b = _qwen()
+        o = b.to_row_dicts()
+        assert "pixel_values" not in o and "mm_token_type_ids" in o and "position_ids" in o
+        rows = o["multi_modal_inputs"]
+        pv = b["pixel_values"]
+        r0 = rows[0]
+        assert r0["pixel_values"].shape == (sum(s.shape[0] for s in pv.row_segments(0)), 1176)
+        assert torch.equal(r0["pixel_values"], pv.row(0))
+        assert r0["image_grid_thw"].shape == (2, 3)  # [n_images, 3]
+        assert torch.equal(r0["image_grid_thw"], b["image_grid_thw"].row(0))
+        assert int(r0["image_grid_thw"].prod(-1).sum()) == r0["pixel_values"].shape[0]
+        assert set(rows[1]) == {"pixel_values", "image_grid_thw"}  # no video: key left out
+        assert rows[2] == {}  # verl: {} for a text-only row
+        assert b.to_row_dicts("mm_train_inputs")["mm_train_inputs"][2] is None  # OpenRLHF
+        o.validate()
+
+    @pytest.mark.parametrize("family", ALL_FAMILIES)
+    @pytest.mark.parametrize("into", ["multi_modal_inputs", "mm_train_inputs"])
+    def test_round_trip_and_model_inputs(self, family, into):
+        for plan in (default_plan(family), _ragged(9), [RowPlan(3), RowPlan(2)]):
+            b = build_batch(family, plan, seed=5)
+            o = b.to_row_dicts(into)
+            o.validate()
+            assert set(o.names(Kind.PACKED)) == set()
+            back = o.from_row_dicts(into)
+            why = _without_empty_media(b).first_difference(back)
+            assert why is None, why
+            for stage in Stage:
+                want, got = b.multimodal_inputs(stage), o.multimodal_inputs(stage)
+                assert set(want) == set(got)
+                for k in want:
+                    assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+
+    def test_list_values_where_one_tensor_cannot_give_the_segments_back(self):
+        nemo = build_batch("nemotron_omni", [RowPlan(3, images=[1, 2]), RowPlan(2, images=[3])])
+        rows = nemo.to_row_dicts()["multi_modal_inputs"]
+        assert isinstance(rows[0]["pixel_values"], list)  # H, W differ per image
+        assert rows[1]["pixel_values"].shape == (1, 3, 12, 16)
+        segs = [torch.ones(2, 3, 4, 4), torch.zeros(1, 3, 4, 4)]  # two segments on pack dim 1
+        b = build_batch("idefics3", [RowPlan(3, images=[2]), RowPlan(3)])
+        b = b.replace(pixel_values=PackedTensor.from_rows([segs, None], pack_dim=1)).without(
+            "pixel_attention_mask")
+        o = b.to_row_dicts()
+        assert isinstance(o["multi_modal_inputs"][0]["pixel_values"], list)
+        assert o.from_row_dicts() == b
+        one = build_batch("idefics3", [RowPlan(3, images=[2])]).to_row_dicts()
+        assert one["multi_modal_inputs"][0]["pixel_values"].shape == (1, 2, 3, 4, 4)
+
+    def test_bad_row_dicts_name_field_row_and_key(self):
+        o = _qwen().to_row_dicts()
+        rows = o["multi_modal_inputs"].rows
+        bad = [dict(r) if r else r for r in rows]
+        bad[1] = {**bad[1], "image_grid_thw": torch.tensor([[1, 2, 5]])}
+        with pytest.raises(ValueError, match=r"'multi_modal_inputs' row 1 key 'pixel_values': "
+                                             r"grid \[\[1, 2, 5\]\] gives 10 rows"):
+            o.replace(multi_modal_inputs=ObjectColumn(bad)).from_row_dicts()
+        for row, error, message in [
+            ({"bogus": torch.ones(1)}, KeyError, "row 2 has key 'bogus', which is not registered"),
+            ({"mm_token_type_ids": torch.ones(1, 3, dtype=torch.long)}, ValueError,
+             "row 2 has key 'mm_token_type_ids', a per_token field"),
+            ({"image_grid_thw": torch.ones(1, 3)}, TypeError,
+             "row 2 key 'image_grid_thw' has dtype torch.float32"),
+        ]:
+            with pytest.raises(error, match=message):
+                o.replace(multi_modal_inputs=ObjectColumn(rows[:2] + [row] + rows[3:])).validate()
+        both = o.replace(image_grid_thw=_qwen()["image_grid_thw"])
+        with pytest.raises(ValueError, match="'image_grid_thw' is both a batch field and a key"):
+            both.validate()
+        with pytest.raises(ValueError, match="is a per_token field, not an object field"):
+            _qwen().to_row_dicts("input_ids")
+        with pytest.raises(ValueError, match="already has object field"):
+            o.to_row_dicts()
+        with pytest.raises(TypeError, match="object field 'multi_modal_inputs' must be an "
+                                            "ObjectColumn, got list"):
+            o.replace(multi_modal_inputs=list(rows)).validate()
+        idefics = build_batch("idefics3", [RowPlan(3, images=[2])]).to_row_dicts()
+        flat = ObjectColumn([{"pixel_values": torch.ones(2, 3, 4, 4)}])
+        with pytest.raises(ValueError, match=r"a pack_dim 1 value is \[1, tiles, ...\]"):
+            idefics.replace(multi_modal_inputs=flat).from_row_dicts()
+
+
+class TestCodecObjects:
+    @pytest.mark.parametrize("into", ["multi_modal_inputs", "mm_train_inputs"])
+    def test_round_trip_keeps_empty_dict_and_none(self, into):
+        o = _qwen().to_row_dicts(into)
+        wire = CODEC.encode(o)
+        assert f"{into}.pixel_values" in wire.columns
+        assert wire.columns[into].tolist() == [1, 1, 0 if into == "mm_train_inputs" else 1, 1]
+        assert wire.tags[2][into] == ({} if into == "multi_modal_inputs" else None)
+        assert wire.tags[0][into]["pixel_values"] == {"shape": [12, 1176]}
+        assert wire.columns[f"{into}.pixel_values"].unbind()[2].numel() == 0
+        assert CODEC.decode(wire) == o
+        assert CODEC.decode(_through_transport(wire)) == o
+        free = build_batch("qwen2_vl", [RowPlan(3), RowPlan(4)]).to_row_dicts(into)
+        wire = CODEC.encode(free)
+        assert [c for c in wire.columns if c.startswith(into)] == [into]  # no key columns
+        assert CODEC.decode(wire) == free
+        partial = {k: v for k, v in wire.columns.items() if k != into}  # field not fetched
+        assert into not in CODEC.decode(WireBatch(partial, wire.tags))
+
+    def test_list_values_and_bits(self):
+        rows = [{"pixel_values": [torch.tensor([[float("nan"), -0.0]]), torch.ones(2, 3)]},
+                None, {"pixel_values": [], "image_sizes": torch.tensor([[4, 5]])}]
+        b = Batch({"input_lengths": torch.tensor([1, 2, 1]),
+                   "input_ids": torch.tensor([[5, 0], [6, 7], [8, 0]]),
+                   "mm_train_inputs": ObjectColumn(rows)}, "llava_next")
+        wire = CODEC.encode(b)
+        assert wire.tags[0]["mm_train_inputs"] == {"pixel_values": {"list": [[1, 2], [2, 3]]}}
+        back = CODEC.decode(_through_transport(wire))
+        assert back == b and back["mm_train_inputs"][2]["pixel_values"] == []
+
+    def test_policy_cast_reaches_dict_media_not_geometry(self):
+        o = _qwen().to_row_dicts()
+        back = ReferenceCodec(torch.bfloat16).decode(ReferenceCodec(torch.bfloat16).encode(o))
+        row = back["multi_modal_inputs"][0]
+        assert row["pixel_values"].dtype == torch.bfloat16
+        assert row["image_grid_thw"].dtype == torch.int64
+        nemo = build_batch("nemotron_omni", default_plan("nemotron_omni")).to_row_dicts()
+        kept = ReferenceCodec(torch.bfloat16).decode(ReferenceCodec(torch.bfloat16).encode(nemo))
+        assert kept == nemo  # Nemotron-Omni keeps its pixels fp32 on purpose
+
+    def test_bad_wire_input_names_field_row_and_key(self):
+        o = _qwen().to_row_dicts()
+        wire = CODEC.encode(o)
+        col = "multi_modal_inputs.pixel_values"
+
+        def decode(columns=None, tags=None):
+            CODEC.decode(WireBatch(columns or dict(wire.columns),
+                                   tags if tags is not None else [dict(t) for t in wire.tags]))
+
+        tags = [dict(t) for t in wire.tags]
+        del tags[1]["multi_modal_inputs"]
+        with pytest.raises(KeyError, match="row 1's tag lacks 'multi_modal_inputs'"):
+            decode(tags=tags)
+        with pytest.raises(KeyError, match=r"row 0's tag names keys \['pixel_values'\]"):
+            decode(columns={k: v for k, v in wire.columns.items() if k != col})
+        tags = [dict(t) for t in wire.tags]
+        tags[0]["multi_modal_inputs"] = {"image_grid_thw": tags[0]["multi_modal_inputs"][
+            "image_grid_thw"]}
+        with pytest.raises(ValueError, match=rf"'{re.escape(col)}' row 0 has \d+ values but "
+                                             r"row 0's tag has no key 'pixel_values'"):
+            decode(tags=tags)
+        dense = dict(wire.columns)
+        dense["multi_modal_inputs.image_grid_thw"] = torch.zeros(4, 3, dtype=torch.long)
+        with pytest.raises(TypeError, match="'multi_modal_inputs.image_grid_thw' arrived dense"):
+            decode(columns=dense)
+        with pytest.raises(KeyError, match="came without object field 'multi_modal_inputs'"):
+            decode(columns={k: v for k, v in wire.columns.items() if k != "multi_modal_inputs"})
+        with pytest.raises(ValueError, match="row 2: its column says None, its tag a dict"):
+            decode(columns={**wire.columns, "multi_modal_inputs": torch.tensor(
+                [1, 1, 0, 1], dtype=torch.int8)})
+        with pytest.raises(TypeError, match="own column must be dense"):
+            decode(columns={**wire.columns, "multi_modal_inputs": wire.columns[col]})
+        with pytest.raises(KeyError, match="'bogus.pixel_values' is not registered"):
+            decode(columns={**wire.columns, "bogus.pixel_values": wire.columns[col]})
+        mixed = ObjectColumn([{"pixel_values": torch.ones(1, 2)},
+                              {"pixel_values": torch.ones(1, 2, dtype=torch.bfloat16)}])
+        b = Batch({"input_lengths": torch.tensor([1, 1]), "input_ids": torch.ones(2, 1).long(),
+                   "mm_train_inputs": mixed}, "llava")
+        with pytest.raises(TypeError, match="'mm_train_inputs' key 'pixel_values' mixes dtypes"):
+            CODEC.encode(b)
+
+    def test_column_field(self):
+        from rlconform.reference_impl.codec import column_field
+
+        assert column_field("multi_modal_inputs.pixel_values") == "multi_modal_inputs"
+        assert column_field("mm_train_inputs.image_grid_thw") == "mm_train_inputs"
+        assert column_field("pixel_values") == "pixel_values"
+        assert column_field("input_ids.x") == "input_ids.x"
+
+
+class TestBatchAlgebra:
+    @pytest.mark.parametrize("sizes", [[4], [1, 3], [0, 2, 0, 2], [3, 1]])
+    def test_split_restores(self, sizes):
+        for b in (_qwen(), _qwen().to_row_dicts()):
+            parts = b.split(sizes)
+            assert [len(p) for p in parts] == sizes
+            assert Batch.concat(parts) == b
+            assert parts[-1] == b.slice(4 - sizes[-1], 4)
+
+    def test_split_rejects_bad_sizes(self):
+        for sizes in ([1, 2], [5, -1], [2, 3]):
+            with pytest.raises(ValueError, match="must be >= 0 and sum to the batch size 4"):
+                _qwen().split(sizes)
+
+    @pytest.mark.parametrize("n", [1, 2, 3, 4])
+    @pytest.mark.parametrize("seed", [None, 0, 7])
+    def test_micro_batches(self, n, seed):
+        b = build_batch("qwen2_vl", _ragged(7), position_ids=4).to_row_dicts()
+        mbs = b.micro_batches(n, shuffle_seed=seed)
+        sizes = [len(idx) for idx, _ in mbs]
+        assert len(mbs) == n and max(sizes) - min(sizes) <= 1 and sorted(sizes, reverse=True) == sizes
+        flat = [i for idx, _ in mbs for i in idx]
+        assert sorted(flat) == list(range(7))
+        if seed is None:
+            assert flat == list(range(7))
+        for idx, mb in mbs:
+            assert mb == b.select(idx)
+        inverse = sorted(range(7), key=flat.__getitem__)
+        assert Batch.concat([mb for _, mb in mbs]).select(inverse) == b
+        assert [i for i, _ in b.micro_batches(n, seed)] == [i for i, _ in mbs]  # deterministic
+
+    def test_micro_batches_shuffle_depends_on_the_seed(self):
+        b = build_batch("qwen2_vl", _ragged(8))
+        orders = {tuple(i for idx, _ in b.micro_batches(2, s) for i in idx) for s in range(4)}
+        assert len(orders) > 1 and tuple(range(8)) not in orders or len(orders) > 2
+        for n in (0, 9):
+            with pytest.raises(ValueError, match=f"micro-batch count n={n} must be in 1..8"):
+                b.micro_batches(n)
+
+    def test_concat_rejects_mixed_families_and_holders(self):
+        q = _qwen()
+        with pytest.raises(ValueError, match="cannot concat batches of families"):
+            Batch.concat([q, build_batch("qwen2_5_vl", default_plan("qwen2_5_vl")).without(
+                "second_per_grid_ts")])
+        with pytest.raises(KeyError, match="cannot concat batches with fields"):
+            Batch.concat([q, q.to_row_dicts()])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3", "llava_next"])
+def test_row_dicts_are_what_the_processor_emits_per_sample(family):
+    """verl's multi_modal_inputs / OpenRLHF's mm_train_inputs hold the processor's output for one
+    sample: our per-row dicts of a real processor batch equal exactly that, except where one
+    tensor cannot give the images back (LLaVA-NeXT images of differing patch counts: a list)."""
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+    from rlconform.fixtures.processed import to_batch
+
+    fam = build_family(family)
+    prompts, images, _ = make_prompts(3, [2, 1, 0], seed=0)
+    batch = to_batch(fam, dict(fam.process(prompts, images)), [len(i) for i in images])
+    rows = batch.to_row_dicts("mm_train_inputs")["mm_train_inputs"]
+    assert rows[2] is None
+    for i in (0, 1):
+        one = dict(fam.process([prompts[i]], [images[i]]))
+        for key, value in rows[i].items():
+            if isinstance(value, list):
+                assert family == "llava_next" and i == 0, (family, i, key)
+                assert torch.equal(PackedTensor.from_rows([value]).as_tensor(), one[key])
+                continue
+            assert value.shape == one[key].shape and torch.equal(value, one[key]), (i, key)
+
+
+def test_data_plane_trainer_fetches_object_columns():
+    """A stage's fetch list names the `<field>.<key>` wire columns of an object field it uses,
+    so media written as per-row dicts are not left behind (the text-only train fetch)."""
+    from types import SimpleNamespace
+
+    from rlconform.reference_impl.trainer import DataPlaneTrainer
+
+    wire = CODEC.encode(_qwen().to_row_dicts())
+    meta = SimpleNamespace(fields=list(wire.columns))
+    for stage in Stage:
+        got = DataPlaneTrainer.stage_fields(None, meta, stage)
+        assert {"multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw",
+                "input_ids", "position_ids"} <= set(got), (stage, got)

@@ -115,6 +115,17 @@ def test_group_advantages_and_keys():
     assert sorted(i for r in dp_rows([3, 9, 4, 8], 2) for i in r) == [0, 1, 2, 3]
 
 
+def test_completion_caps_vary_and_include_an_empty_row():
+    from rlconform.fixtures.images import completion_caps
+
+    assert completion_caps(6, 6, seed=0) == [6, 0, 4, 1, 3, 5]
+    for seed in range(8):
+        caps = completion_caps(7, 6, seed)
+        assert {0, 6} <= set(caps[:6]) and all(a != b for a, b in zip(caps, caps[1:]))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        completion_caps(4, 3)
+
+
 # -- rollout --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen():
@@ -125,19 +136,40 @@ def qwen():
     fam = build_family("qwen2_vl")
     prompts, images, _ = make_prompts(3, [1, 0, 2], seed=0)
     engine = HFRollout(fam, TrainerSettings("qwen2_vl"))
-    return fam, engine, prompts, images, engine.generate(prompts, images, 8, seed=0)
+    # per-row caps: row 0 runs to its cap, row 1 is empty, row 2 samples EOS as its 7th token
+    return fam, engine, prompts, images, engine.generate(prompts, images, CAPS, seed=0)
+
+
+CAPS = [8, 0, 8]
 
 
 def test_rollout_samples_only_ordinary_tokens_and_is_seeded(qwen):
     fam, engine, prompts, images, batch = qwen
     allowed = set(fam.ordinary_token_ids().tolist())
     mask = batch["token_mask"].bool()
-    sampled = batch["input_ids"][mask].tolist()
-    assert len(sampled) == 3 * 8 and set(sampled) <= allowed
-    again = engine.generate(prompts, images, 8, seed=0)
+    rows = [batch["input_ids"][i][mask[i]].tolist() for i in range(3)]
+    assert [len(r) for r in rows] == [8, 0, 7]
+    assert rows[2][-1] in fam.eos_token_ids, "row 2 must have stopped on a sampled EOS"
+    assert set(rows[0]) | set(rows[2][:-1]) <= allowed
+    again = engine.generate(prompts, images, CAPS, seed=0)
     assert batch == again, "the same seed must give the same rollout"
-    other = engine.generate(prompts, images, 8, seed=1)
+    other = engine.generate(prompts, images, CAPS, seed=1)
     assert not torch.equal(other["input_ids"], batch["input_ids"])
+
+
+def test_rollout_caps_per_row_and_rejects_bad_caps(qwen):
+    fam, engine, prompts, images, batch = qwen
+    lp = batch["generation_logprobs"]
+    p, n = int(batch["prompt_lengths"][2]), int(batch["input_lengths"][2])
+    assert bool(torch.isfinite(lp[2, p:n]).all() and (lp[2, p:n] < 0).all())  # EOS scored too
+    assert int(batch["input_lengths"][1]) == int(batch["prompt_lengths"][1])  # empty row
+    assert batch.extra["completions"][1] == ""
+    one = engine.generate(prompts[:1], images[:1], 3, seed=0)  # an int caps every row
+    assert torch.equal(one["input_ids"][0, :int(one["input_lengths"][0])],
+                       batch["input_ids"][0, :int(one["input_lengths"][0])])
+    for bad in ([8, 0], [8, -1, 8]):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.generate(prompts, images, bad, seed=0)
 
 
 def test_rollout_fields_masks_and_maps(qwen):

@@ -4,6 +4,9 @@ This module imports nothing, so the noxfile can read the requirements before rlc
 installed (`nox -s conformance -- --backend NAME` installs them).
 """
 
+# a requirement with this prefix is installed with `pip install --no-deps`
+NO_DEPS = "--no-deps "
+
 BUNDLED = {
     "reference": ("rlconform.conformance.backends.reference:backend", ()),
     "transferqueue-simple": (
@@ -15,6 +18,18 @@ BUNDLED = {
         ("TransferQueue==0.1.11", "tensordict", "ray", "mooncake-transfer-engine-non-cuda"),
     ),
     "ray-objectstore": ("rlconform.conformance.backends.ray_objectstore:backend", ("ray",)),
+    # verl pins transformers<5.11 (its data path runs with ours) and GPU packages: --no-deps
+    "verl": (
+        "rlconform.conformance.backends.verl:backend",
+        (NO_DEPS + "verl==0.9.1", "tensordict==0.10.0", "TransferQueue==0.1.11", "ray",
+         "omegaconf", "numpy", "packaging"),
+    ),
+    # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
+    "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
+    # OpenRLHF's full dependency list pins deepspeed and flash-attn (GPU builds); its data path
+    # (ppo_utils.experience, utils.vlm_utils) needs only pylatexenc beyond rlconform's own
+    "openrlhf": ("rlconform.conformance.backends.openrlhf:backend",
+                 (NO_DEPS + "openrlhf==0.11.2", "pylatexenc")),
 }
 
 

@@ -19,7 +19,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
@@ -310,4 +310,5 @@ backend = Backend(
     capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
                             "dim1_packing"}),
     session=session,
+    version=package_version("ray", "Ray"),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlconform.conformance.backend import CAPABILITIES, Backend
+from rlconform.conformance.backend import CAPABILITIES, Backend, package_version
 
 
 def _transport():
@@ -41,12 +41,15 @@ def _rollout(*args, **kwargs):
     return make_rollout(*args, **kwargs)
 
 
-def build(**overrides) -> Backend:
-    """The reference backend, or a variant of it with some surfaces replaced (mutants do this)."""
+def build(name: str = "reference", description: str = "", **overrides) -> Backend:
+    """The reference backend, or a variant of it with some parts replaced.
+
+    Out-of-tree code calls `Backend.from_reference(name, ...)`, which insists on a name of its
+    own; mutants call this and are renamed `mutant:<name>` by their registry."""
     parts = dict(
-        name="reference",
-        description="rlconform's reference implementation (in-memory data plane, "
-        "flattened-jagged codec, HF trainer and rollout)",
+        name=name,
+        description=description or "rlconform's reference implementation (in-memory data "
+        "plane, flattened-jagged codec, HF trainer and rollout)",
         transport=_transport,
         codec=_codec,
         meta=_meta,
@@ -59,4 +62,4 @@ def build(**overrides) -> Backend:
     return Backend(**parts)
 
 
-backend = build()
+backend = build(version=package_version("rlconform"))

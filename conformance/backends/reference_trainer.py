@@ -5,7 +5,10 @@ data-plane trainer when a transport is given (every pass from a meta, through th
 and codec) and the in-memory (legacy) trainer otherwise; both expose `model` (the policy
 `nn.Module`, so the suite can watch its inputs), `compute_logprobs`, `train` and `state_dict`.
 The rollout surface: `rollout(family, settings)` with `generate(prompts, images,
-max_new_tokens, seed) -> Batch` and `refit(state_dict)`.
+max_new_tokens, seed) -> Batch` (`max_new_tokens` an int or one cap per prompt, 0 allowed) and
+`refit(state_dict)`. The numerics clauses (test_trainer_numerics.py) also watch the trainer's
+`model` with hooks: the logits of its train forwards and the gradients accumulated into its
+parameters before the optimizer step.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
 
 LAYOUT_TAG = "__rlconform_layout__:"
@@ -294,6 +294,7 @@ simple_backend = Backend(
     transport=TransferQueueTransport,
     capabilities=frozenset(CAPABILITIES),
     session=simple_session,
+    version=package_version("TransferQueue"),
 )
 
 mooncake_backend = Backend(
@@ -303,4 +304,6 @@ mooncake_backend = Backend(
     transport=TransferQueueTransport,
     capabilities=frozenset(CAPABILITIES),
     session=mooncake_session,
+    version=", ".join(v for v in (package_version("TransferQueue"), package_version(
+        "mooncake-transfer-engine-non-cuda", "Mooncake")) if v),
 )

@@ -1,4 +1,6 @@
-"""Batch-operation clauses: truncation, padding and validation leave media alone."""
+"""Batch-operation clauses: truncation, padding and validation leave media alone and honour each
+per-token field's sequence dim; stage inputs are the same whatever form media are held in; the
+batch algebra and micro-batching keep every field of every row."""
 
 from __future__ import annotations
 
@@ -8,21 +10,39 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlconform.fixtures.strategies import batches
-from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
+from rlconform.fixtures.synthetic import (
+    MEDIA_FORMS,
+    RowPlan,
+    build_batch,
+    default_plan,
+    media_families,
+)
+from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.objects import ObjectColumn, row_difference, value_difference
 from rlconform.reference_impl.packed import PackedTensor
-from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields
+from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields, spec
 
 MEDIA = media_families()
 
 
 def _packed(batch):
-    return {n: v for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
+    """Media fields: packed, or per-row dict columns (verl / OpenRLHF form)."""
+    return {n: v for n, v in batch.fields.items() if isinstance(v, (PackedTensor, ObjectColumn))}
+
+
+def _seq(name, v, start, length):
+    """Positions start..start+length of per-token field `name` on its registered sequence dim."""
+    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+
+
+def _seq_size(name, v) -> int:
+    return int(v.shape[spec(name).seq_axis(v.dim())])
 
 
 def _assert_media_untouched(before, after, what: str):
     for name, v in _packed(before).items():
         got = after.fields.get(name)
-        assert isinstance(got, PackedTensor), f"{what}: {name!r} is gone or no longer packed"
+        assert type(got) is type(v), f"{what}: {name!r} is gone or no longer a {type(v).__name__}"
         why = v.first_difference(got)
         assert why is None, f"{what} changed packed field {name!r}: {why}"
         assert got.nbytes() == v.nbytes(), f"{what}: {name!r} bytes {got.nbytes()} != {v.nbytes()}"
@@ -36,9 +56,12 @@ def test_truncate(batch_ops, batch, data):
     out = batch_ops.truncate(batch, cut)
     _assert_media_untouched(batch, out, "truncate")
     for name in batch.names(Kind.PER_TOKEN):
-        got = out[name]
-        assert got.shape[1] == min(cut, s), f"per-token {name!r} not truncated to {cut}"
-        assert torch.equal(got, batch[name][:, :cut]), f"per-token {name!r} truncated wrongly"
+        got, want = out[name], batch[name]
+        assert _seq_size(name, got) == min(cut, s), \
+            f"per-token {name!r} {list(want.shape)} not truncated to {cut}: {list(got.shape)}"
+        assert got.shape == _seq(name, want, 0, min(cut, s)).shape and \
+            torch.equal(got, _seq(name, want, 0, min(cut, s))), \
+            f"per-token {name!r} {list(want.shape)} truncated wrongly"
     assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
 
 
@@ -63,10 +86,12 @@ def test_pad_excludes_media(batch_ops, batch, extra):
     _assert_media_untouched(batch, out, "pad_to")
     assert out.media_nbytes() == batch.media_nbytes(), "padding changed the media bytes"
     for name in batch.names(Kind.PER_TOKEN):
-        got = out[name]
-        assert got.shape[1] == target, f"per-token {name!r} padded to {got.shape[1]}, not {target}"
-        assert torch.equal(got[:, : batch.seq_len()], batch[name]), f"{name!r} values moved"
-        assert (got[:, batch.seq_len():] == FIELDS[name].pad_value).all(), f"{name!r} pad value"
+        got, s = out[name], batch.seq_len()
+        assert _seq_size(name, got) == target and got.dim() == batch[name].dim(), \
+            f"per-token {name!r} {list(batch[name].shape)} padded to {list(got.shape)}, not {target}"
+        assert torch.equal(_seq(name, got, 0, s), batch[name]), f"{name!r} values moved"
+        assert (_seq(name, got, s, target - s) == FIELDS[name].pad_value).all(), \
+            f"{name!r} pad value"
 
 
 @pytest.mark.clause("BATCH-VALIDATE")
@@ -90,10 +115,12 @@ def test_validator_rejects_misaligned_per_token_field(batch_ops, family):
 
 
 @pytest.mark.clause("BATCH-STAGE-FIELDS")
+@pytest.mark.parametrize("form", MEDIA_FORMS)
 @pytest.mark.parametrize("family", MEDIA + ["text"])
-def test_stages_get_the_same_multimodal_fields(batch_ops, family):
-    batch = build_batch(family, default_plan(family))
-    present = {n for n in batch.fields if n in multimodal_fields()}
+def test_stages_get_the_same_multimodal_fields(batch_ops, family, form):
+    batch = build_batch(family, default_plan(family), media_form=form)
+    packed = build_batch(family, default_plan(family))
+    present = {n for n in packed.fields if n in multimodal_fields()}
     seen = {}
     for stage in Stage:
         seen[stage] = set(batch_ops.multimodal_inputs(batch, stage, torch.float32))
@@ -101,3 +128,223 @@ def test_stages_get_the_same_multimodal_fields(batch_ops, family):
         f"stages differ: { {s.value: sorted(v) for s, v in seen.items()} }"
     assert seen[Stage.TRAIN] == present, \
         f"stage inputs {sorted(seen[Stage.TRAIN])} != multimodal fields present {sorted(present)}"
+
+
+# -- sequence dims: position_ids [B, S], [B, 3, S] (M-RoPE), [B, 4, S] (verl Qwen-VL) -----------
+@pytest.mark.clause("BATCH-TRUNCATE", "BATCH-PAD")
+@pytest.mark.parametrize("channels", [0, 3, 4])
+def test_multi_dim_per_token_fields_on_their_sequence_dim(batch_ops, channels):
+    batch = build_batch("qwen3_vl", default_plan("qwen3_vl"), position_ids=channels, extra_seq=2)
+    s = batch.seq_len()
+    for cut in (1, 3, s):
+        out = batch_ops.truncate(batch, cut)
+        got, want = out["position_ids"], _seq("position_ids", batch["position_ids"], 0, cut)
+        assert got.shape == want.shape and torch.equal(got, want), \
+            f"truncate({cut}) of position_ids {list(batch['position_ids'].shape)} gave " \
+            f"{list(got.shape)}, expected {list(want.shape)} (cut on the last dim)"
+    out = batch_ops.pad_to(batch, s + 4)
+    got = out["position_ids"]
+    assert _seq_size("position_ids", got) == s + 4 and got.dim() == batch["position_ids"].dim(), \
+        f"pad_to({s + 4}) of position_ids {list(batch['position_ids'].shape)} gave {list(got.shape)}"
+    assert torch.equal(_seq("position_ids", got, 0, s), batch["position_ids"])
+
+
+@pytest.mark.clause("BATCH-VALIDATE")
+@pytest.mark.parametrize("channels", [0, 3, 4])
+def test_validator_honours_sequence_dims(batch_ops, channels):
+    batch = build_batch("qwen2_vl", default_plan("qwen2_vl"), position_ids=channels)
+    batch_ops.validate(batch)  # [B, C, S] is aligned: its dim 1 is channels, not tokens
+    bad = batch.replace(position_ids=_seq("position_ids", batch["position_ids"], 0,
+                                          batch.seq_len() - 1))
+    with pytest.raises((ValueError, AssertionError), match="position_ids"):
+        batch_ops.validate(bad)
+
+
+# -- model inputs from per-row dict columns ---------------------------------------------------
+def _assert_same_inputs(want: dict, got: dict, what: str) -> None:
+    assert set(got) == set(want), f"{what}: model inputs {sorted(got)}, expected {sorted(want)}"
+    for k in want:
+        why = value_difference(f"{what}: model input {k!r}", want[k], got[k])
+        assert why is None, why
+
+
+@pytest.mark.clause("BATCH-OBJECT-INPUTS")
+@pytest.mark.parametrize("form", MEDIA_FORMS[1:])
+@pytest.mark.parametrize("family", MEDIA)
+def test_dict_media_give_the_packed_model_inputs(batch_ops, family, form):
+    plans = (default_plan(family), [RowPlan(3), RowPlan(2, images=[2]), RowPlan(4, images=[1, 3])],
+             [RowPlan(3), RowPlan(5)])
+    for plan in plans:
+        packed = build_batch(family, plan)
+        held = build_batch(family, plan, media_form=form)
+        for stage in Stage:
+            for dtype in (None, torch.bfloat16):
+                _assert_same_inputs(batch_ops.multimodal_inputs(packed, stage, dtype),
+                                    batch_ops.multimodal_inputs(held, stage, dtype),
+                                    f"{family} {form} {stage.value} {dtype}")
+
+
+@pytest.mark.clause("BATCH-OBJECT-INPUTS")
+@given(batch=batches(media_forms=MEDIA_FORMS[1:]))
+def test_property_dict_media_inputs(batch_ops, batch):
+    want = batch_ops.multimodal_inputs(batch.packed_form(), Stage.TRAIN)
+    _assert_same_inputs(want, batch_ops.multimodal_inputs(batch, Stage.TRAIN), "train inputs")
+
+
+# -- batch algebra ----------------------------------------------------------------------------
+def _rows(batch) -> list[dict]:
+    """Every field of every row, independent of padding width: per-token fields cut at the
+    row's length on their sequence dim, packed rows as (pack_dim, segments), dict rows as is."""
+    lens = batch.seq_lens.tolist()
+    out: list[dict] = [{} for _ in lens]
+    for name, v in batch.fields.items():
+        for i, n in enumerate(lens):
+            if isinstance(v, PackedTensor):
+                out[i][name] = ("packed", v.pack_dim, v.row_segments(i))
+            elif isinstance(v, ObjectColumn):
+                out[i][name] = ("object", v[i])
+            elif spec(name).kind is Kind.PER_TOKEN:
+                out[i][name] = _seq(name, v[i:i + 1], 0, n)
+            else:
+                out[i][name] = v[i]
+    return out
+
+
+def _assert_rows(want: list[dict], got_batch, what: str) -> None:
+    assert isinstance(got_batch, Batch), f"{what} returned a {type(got_batch).__name__}"
+    got = _rows(got_batch)
+    assert len(got) == len(want), f"{what}: {len(got)} rows, expected {len(want)}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert set(g) == set(w), f"{what}: row {i} has fields {sorted(g)}, expected {sorted(w)}"
+        for name in w:
+            a, b = w[name], g[name]
+            where = f"{what}: row {i} field {name!r}"
+            if isinstance(a, tuple) and a[0] == "object":
+                assert isinstance(b, tuple) and b[0] == "object", f"{where} is no longer a dict row"
+                why = row_difference(i, a[1], b[1])
+                why = why and f"{where}: {why}"
+            elif isinstance(a, tuple):
+                assert isinstance(b, tuple) and b[0] == "packed", f"{where} is no longer packed"
+                assert b[1] == a[1], f"{where} pack_dim {b[1]}, expected {a[1]}"
+                if a[2] is None or b[2] is None:
+                    why = None if a[2] is None and b[2] is None else \
+                        f"{where} is {'None' if b[2] is None else 'present'}, expected the opposite"
+                else:
+                    why = value_difference(f"{where} segments", a[2], b[2])
+            else:
+                why = value_difference(where, a, b)
+            assert why is None, why
+    got_batch.validate()
+
+
+def _assert_own_dicts(source, out, what: str) -> None:
+    """Mutating a result's dict rows must not reach the source batch."""
+    for name, col in out.fields.items():
+        if not isinstance(col, ObjectColumn):
+            continue
+        before = [None if r is None else dict(r) for r in source[name].rows]
+        for row in col.rows:
+            if row is not None:
+                row["__probe__"] = torch.zeros(1)
+                row.pop(next(iter(row)), None)
+        for i, (b, r) in enumerate(zip(before, source[name].rows)):
+            assert (b is None and r is None) or (r is not None and set(r) == set(b)), \
+                f"{what}: row {i} of {name!r} is shared with the result (keys now {sorted(r)})"
+
+
+@pytest.mark.clause("BATCH-ALGEBRA")
+@pytest.mark.parametrize("form", MEDIA_FORMS)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3", "nemotron_omni"])
+def test_select_concat_split_examples(batch_ops, family, form):
+    """Always-run cases: every form, de-duplicated and None rows, several images, video
+    (built here, never at import: a defect that shares rows must not leak into other runs)."""
+    batch = build_batch(family, default_plan(family) * 2, seed=3, media_form=form)
+    rows = _rows(batch)
+    idx = [7, 0, 2, 2, 5]  # out of order, a repeat (GRPO repeat), a None row, a shared row
+    out = batch_ops.select(batch, idx)
+    _assert_rows([rows[i] for i in idx], out, f"select({idx})")
+    _assert_own_dicts(batch, out, "select")
+    for sizes in ([3, 5], [1, 1, 6], [2, 2, 2, 2]):
+        parts = batch_ops.split(batch, sizes)
+        assert [len(p) for p in parts] == sizes, f"split({sizes}) gave {[len(p) for p in parts]}"
+        start = 0
+        for p, n in zip(parts, sizes):
+            _assert_rows(rows[start:start + n], p, f"split({sizes}) chunk at row {start}")
+            start += n
+        _assert_own_dicts(batch, parts[0], "split")
+    parts = [batch.slice(0, 2), batch.slice(2, 3), batch.slice(3, 8)]
+    parts = [p.truncate(int(p.seq_lens.max())) for p in parts]  # each with its own width
+    out = batch_ops.concat(parts)
+    _assert_rows(rows, out, "concat of three chunks of differing widths")
+    _assert_own_dicts(parts[0], out, "concat")
+
+
+@pytest.mark.clause("BATCH-ALGEBRA")
+@pytest.mark.parametrize("form", MEDIA_FORMS)
+def test_concat_media_free_and_media_chunks(batch_ops, form):
+    media = build_batch("qwen2_vl", [RowPlan(4, images=[1, 2]), RowPlan(3, images=[3])],
+                        media_form=form)
+    free = build_batch("qwen2_vl", [RowPlan(6), RowPlan(2)], seed=1, media_form=form)
+    out = batch_ops.concat([free, media, free])
+    _assert_rows(_rows(free) + _rows(media) + _rows(free), out, "concat(media-free, media, "
+                                                                 "media-free)")
+
+
+@pytest.mark.clause("BATCH-ALGEBRA")
+@given(batch=batches(max_rows=8), data=st.data())
+def test_property_algebra(batch_ops, batch, data):
+    n = len(batch)
+    rows = _rows(batch)
+    idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=10), label="indices")
+    _assert_rows([rows[i] for i in idx], batch_ops.select(batch, idx), f"select({idx})")
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3), label="cuts")) \
+        if n > 1 else []
+    bounds = [0, *cuts, n]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    parts = batch_ops.split(batch, sizes)
+    assert [len(p) for p in parts] == sizes, f"split({sizes}) gave {[len(p) for p in parts]}"
+    for p, a, b in zip(parts, bounds, bounds[1:]):
+        _assert_rows(rows[a:b], p, f"split({sizes}) chunk {a}:{b}")
+    _assert_rows(rows, batch_ops.concat(parts), f"concat(split({sizes}))")
+
+
+# -- micro-batches ----------------------------------------------------------------------------
+def _check_micro_batches(batch_ops, batch, n, seed):
+    rows = _rows(batch)
+    mbs = batch_ops.micro_batches(batch, n, shuffle_seed=seed)
+    what = f"micro_batches(n={n}, shuffle_seed={seed})"
+    assert len(mbs) == n, f"{what} gave {len(mbs)} micro-batches"
+    flat = [int(i) for idx, _ in mbs for i in idx]
+    assert sorted(flat) == list(range(len(batch))), \
+        f"{what} holds rows {sorted(flat)}: not every row of {len(batch)} exactly once"
+    if seed is None:
+        assert flat == list(range(len(batch))), f"{what} reordered rows without a seed: {flat}"
+    for k, (idx, mb) in enumerate(mbs):
+        _assert_rows([rows[i] for i in idx], mb, f"{what} micro-batch {k} (rows {list(idx)})")
+    joined = Batch.concat([mb for _, mb in mbs])
+    inverse = sorted(range(len(flat)), key=flat.__getitem__)
+    _assert_rows(rows, joined.select(inverse), f"{what} concatenated in recorded order")
+    for k, (_, mb) in enumerate(mbs):
+        _assert_own_dicts(batch, mb, f"{what} micro-batch {k}")
+    return flat
+
+
+@pytest.mark.clause("BATCH-MICRO-BATCH")
+@pytest.mark.parametrize("form", MEDIA_FORMS)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_micro_batch_examples(batch_ops, form, n):
+    batch = build_batch("qwen2_5_vl", default_plan("qwen2_5_vl") * 2, media_form=form)
+    _check_micro_batches(batch_ops, batch, n, None)
+    orders = {tuple(_check_micro_batches(batch_ops, batch, n, seed)) for seed in (1, 2, 3)}
+    assert orders != {tuple(range(8))}, "shuffle_seed 1, 2 and 3 all kept the original order"
+    again = [list(i) for i, _ in batch_ops.micro_batches(batch, n, shuffle_seed=2)]
+    assert again == [list(i) for i, _ in batch_ops.micro_batches(batch, n, shuffle_seed=2)], \
+        "the same shuffle_seed gave different micro-batches"
+
+
+@pytest.mark.clause("BATCH-MICRO-BATCH")
+@given(batch=batches(max_rows=8), data=st.data())
+def test_property_micro_batches(batch_ops, batch, data):
+    n = data.draw(st.integers(1, len(batch)), label="n")
+    seed = data.draw(st.one_of(st.none(), st.integers(0, 2**16)), label="shuffle_seed")
+    _check_micro_batches(batch_ops, batch, n, seed)

@@ -158,7 +158,7 @@ def _real_batches():
 def build_family(name):
     from rlconform.fixtures.families import build_family
 
-    return build_family(name)
+    return build_family(name, "tiny")  # as processed_batches(): processors at the tiny size
 
 
 def model_inputs_match(family, features, batch):
@@ -183,3 +183,89 @@ def test_registry_covers_real_processor_output(codec):
         # the decoded batch rebuilds exactly the tensors the processor gave the model
         why = model_inputs_match(build_family(family), features, decoded)
         assert why is None, f"{family}: {why}"
+
+
+# -- per-row dict media and multi-dim per-token fields ----------------------------------------
+def _object_cases():
+    from rlconform.fixtures.synthetic import MEDIA_FORMS
+
+    for family in MEDIA:
+        for form in MEDIA_FORMS[1:]:
+            yield family, form
+
+
+@pytest.mark.clause("WIRE-OBJECT")
+@pytest.mark.parametrize("family, form", list(_object_cases()))
+def test_object_columns_roundtrip(codec, family, form):
+    for plan in (default_plan(family), [RowPlan(3), RowPlan(4)],
+                 [RowPlan(2, images=[1, 3]), RowPlan(3), RowPlan(2, images=[2])]):
+        batch = build_batch(family, plan, media_form=form)
+        assert_batch_equal(batch, codec.decode(codec.encode(batch)), f"{family} {form}")
+
+
+def _object_batch(rows: list):
+    from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    n = len(rows)
+    return Batch({"input_lengths": torch.full((n,), 2), "input_ids": torch.ones(n, 2).long(),
+                  "mm_train_inputs": ObjectColumn(rows)}, "llava_next")
+
+
+@pytest.mark.clause("WIRE-OBJECT")
+def test_object_rows_edge_cases(codec):
+    nan = torch.tensor([[float("nan"), -0.0, 1e-42, float("inf")]])
+    cases = {
+        "None and {} side by side": [None, {}, {"image_sizes": torch.tensor([[4, 8]])}],
+        "only {}": [{}, {}],
+        "only None": [None, None, None],
+        "a key in one row only": [{"image_sizes": torch.tensor([[4, 8]])}, {}, None],
+        "per-image list values": [{"pixel_values": [torch.ones(1, 2, 3, 4, 4),
+                                                    torch.zeros(1, 3, 3, 4, 4)]},
+                                  {"pixel_values": [torch.ones(1, 1, 3, 4, 4)]}],
+        "non-finite and signed-zero values": [{"pixel_values": nan}, None],
+    }
+    for what, rows in cases.items():
+        batch = _object_batch(rows)
+        assert_batch_equal(batch, codec.decode(codec.encode(batch)), what)
+
+
+@pytest.mark.clause("WIRE-OBJECT")
+@given(batch=batches(media_forms=("multi_modal_inputs", "mm_train_inputs")))
+def test_property_object_roundtrip(codec, batch):
+    assert_batch_equal(batch, codec.decode(codec.encode(batch)), "decode(encode(batch))")
+
+
+@pytest.mark.clause("WIRE-DTYPE")
+@pytest.mark.parametrize("family", ["qwen2_vl", "nemotron_omni", "gemma3"])
+def test_dtype_policy_reaches_dict_media(codec_factory, family):
+    codec = codec_factory(pixel_dtype=torch.bfloat16)
+    batch = build_batch(family, default_plan(family), media_form="multi_modal_inputs")
+    out = codec.decode(codec.encode(batch))["multi_modal_inputs"]
+    fam = FAMILIES[family]
+    for i, row in enumerate(batch["multi_modal_inputs"]):
+        for key, value in row.items():
+            got = out[i][key]
+            got = got[0] if isinstance(got, list) else got
+            value = value[0] if isinstance(value, list) else value
+            if key in fam.keep_dtype or not value.is_floating_point():
+                assert got.dtype == value.dtype, f"row {i} {key!r} cast {value.dtype} -> {got.dtype}"
+            else:
+                assert got.dtype == torch.bfloat16, f"row {i} pixel key {key!r} arrived {got.dtype}"
+
+
+@pytest.mark.clause("WIRE-SEQ-DIM")
+@pytest.mark.parametrize("channels", [0, 3, 4])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_position_ids_roundtrip_on_their_sequence_dim(codec, family, channels):
+    batch = build_batch(family, default_plan(family) + [RowPlan(1)], position_ids=channels)
+    wire = codec.encode(batch)
+    col = wire.columns.get("position_ids")
+    assert col is not None and col.is_nested, "position_ids must travel as a jagged column"
+    per_pos = max(channels, 1)
+    for i, row in enumerate(col.unbind()):
+        n = int(batch.seq_lens[i])
+        assert row.numel() == n * per_pos, \
+            f"position_ids row {i} carries {row.numel()} values for {n} tokens x {per_pos} channels"
+    got = codec.decode(wire)
+    assert_batch_equal(batch, got, f"position_ids {list(batch['position_ids'].shape)}")

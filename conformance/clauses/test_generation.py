@@ -28,6 +28,13 @@ def _partition() -> str:
     return f"gen-{uuid.uuid4().hex[:8]}"
 
 
+def _caps(n: int, seed: int) -> list[int]:
+    """Per-row completion caps (0 included): rows with different numbers of loss tokens."""
+    from rlconform.fixtures.images import completion_caps
+
+    return completion_caps(n, MAX_NEW_TOKENS, seed)
+
+
 def _rewards(n: int) -> torch.Tensor:
     return torch.tensor([((7 * i) % 5) / 4 for i in range(n)], dtype=torch.float32)
 
@@ -90,7 +97,7 @@ def _agreement(out, dtype, record_metric, step=None) -> list[str]:
 def test_generation_logprobs_agree_with_prev_logprobs(transport, codec, meta_cls, dtype,
                                                       record_metric, setup, family):
     settings, engine, make_trainer, prompts, images = setup(family)
-    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=0)
+    batch = engine.generate(prompts, images, _caps(len(prompts), 0), seed=0)
     trainer = make_trainer(settings, transport, codec)
     out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
                          rewards=_rewards(len(batch)), group_size=GROUP)
@@ -110,7 +117,7 @@ def test_rollout_batch_carries_the_processor_output(dtype, setup, family):
     from rlconform.reference_impl.registry import FAMILIES, FIELDS, DtypePolicy
 
     _, engine, _, prompts, images = setup(family)
-    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=2)
+    batch = engine.generate(prompts, images, _caps(len(prompts), 2), seed=2)
     fam = build_family(family)
     lens, plens = batch["input_lengths"], batch["prompt_lengths"]
     for i, (p, imgs) in enumerate(zip(prompts, images)):
@@ -150,24 +157,52 @@ def test_rollout_batch_carries_the_processor_output(dtype, setup, family):
 
 
 # -- GEN-ORDINARY-TOKENS ------------------------------------------------------------------
+LONG_CAP = 48  # the explicit long case: every row may run to 48 tokens
+SPECIAL_SEEN_P = 0.98  # ... so an unrestricted sampler shows a special token this surely
+
+
 @pytest.mark.clause("GEN-ORDINARY-TOKENS")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_rollout_samples_ordinary_tokens_only(setup, family):
+@pytest.mark.parametrize("family,length", [(f, "varied") for f in FAMILIES]
+                         + [("text", "long")])
+def test_rollout_samples_ordinary_tokens_only(setup, family, length):
+    """`varied`: per-row caps, one empty row. `long`: the family with the fewest special
+    tokens, with enough sampled tokens that a sampler not restricted to ordinary tokens draws
+    one with probability >= SPECIAL_SEEN_P on a near-uniform random policy (a kill that does
+    not hinge on the luck of a few short completions)."""
+    import math
+
     from rlconform.fixtures.families import build_family
 
     _, engine, _, prompts, images = setup(family)
-    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=1)
-    allowed = set(build_family(family).ordinary_token_ids().tolist())
+    fam = build_family(family)
+    allowed = set(fam.ordinary_token_ids().tolist())
+    eos = set(fam.eos_token_ids)
+    if length == "long":
+        caps = [LONG_CAP] * len(prompts)
+    else:
+        caps = _caps(len(prompts), 1)
+        assert 0 in caps and MAX_NEW_TOKENS in caps, "test setup: caps without an empty row"
+    batch = engine.generate(prompts, images, caps, seed=1)
     ids, mask = batch["input_ids"], batch["token_mask"].bool()
+    if length == "long":
+        vocab = len(fam.tokenizer.get_vocab())
+        special = vocab - len(allowed) - len(eos)
+        need = math.ceil(math.log(1 - SPECIAL_SEEN_P) / math.log(1 - special / vocab))
+        assert int(mask.sum()) >= need, f"test setup: {int(mask.sum())} sampled tokens, " \
+            f"{need} needed to see one of {special} special ids of {vocab}"
     lens, plens = batch["input_lengths"], batch["prompt_lengths"]
     gen = batch["generation_logprobs"]
+    assert len(batch) == len(prompts), f"{len(batch)} rows for {len(prompts)} prompts"
     for i in range(len(batch)):
         want = torch.zeros_like(mask[i])
         want[int(plens[i]):int(lens[i])] = True
         assert torch.equal(mask[i], want), f"row {i}: token_mask is not exactly the completion"
         sampled = ids[i][mask[i]].tolist()
-        assert sampled, f"row {i}: empty completion"
-        special = sorted(set(sampled) - allowed)
+        assert len(sampled) <= caps[i], \
+            f"row {i}: {len(sampled)} completion tokens for a cap of {caps[i]}"
+        # EOS is an allowed stop: only as the last token of a completion
+        special = sorted(set(sampled[:-1]) - allowed) + \
+            sorted(set(sampled[-1:]) - allowed - eos)
         assert not special, f"row {i}: sampled non-ordinary token ids {special}"
         assert bool((gen[i][~mask[i]] == 0).all()), \
             f"row {i}: generation_logprobs non-zero outside the completion"
@@ -185,7 +220,7 @@ def test_engine_stays_in_sync_across_refits(transport, codec, meta_cls, dtype, r
     trainer = make_trainer(settings, transport, codec)
     failures = []
     for step in range(REFIT_STEPS):
-        batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=step)
+        batch = engine.generate(prompts, images, _caps(len(prompts), step), seed=step)
         out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
                              rewards=_rewards(len(batch)), group_size=GROUP)
         failures += [f"step {step}: {b}" for b in _agreement(out, dtype, record_metric, step)]

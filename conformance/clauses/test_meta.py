@@ -9,10 +9,17 @@ from hypothesis import strategies as st
 from ._check import keys_for
 
 
+def _object_tag(i: int):
+    """A per-row dict column's tag as the reference codec writes it: None / {} / keys."""
+    return [None, {}, {"pixel_values": {"shape": [4 * i + 4, 1176]},
+                       "image_grid_thw": {"shape": [1, 3]}}][i % 3]
+
+
 def _meta(meta_cls, n: int, seed: int = 0):
     lens = [((i * 7919 + seed) % 23) + 1 for i in range(n)]
     tags = [{"row": i, "seq_len": lens[i], "pixel_values": {"shapes": [[4 * (i % 3 + 1), 1176]],
-                                                              "pack_dim": 0}}
+                                                              "pack_dim": 0},
+             "multi_modal_inputs": _object_tag(i)}
             for i in range(n)]
     return meta_cls("rollout", keys_for(n), ["input_ids", "pixel_values"], lens, tags,
                     {"step": 3})
@@ -29,11 +36,14 @@ def test_operations_keep_tags_aligned(meta_cls, n, data):
     full = _rows(m)
     idx = data.draw(st.lists(st.integers(0, n - 1), unique=True), label="indices")
     assert _rows(m.subset(idx)) == [full[i] for i in idx]
+    assert m.subset(idx).tags == [m.tags[i] for i in idx], "subset changed tag contents"
     a, b = sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n)), label="slice"))
     assert _rows(m.slice(a, b)) == full[a:b]
+    assert m.slice(a, b).tags == m.tags[a:b], "slice changed tag contents"
     cut = data.draw(st.integers(0, n), label="cut")
     joined = meta_cls.concat([m.slice(0, cut), m.slice(cut, n)])
     assert _rows(joined) == full, "concat of two halves is not the whole"
+    assert joined.tags == m.tags, "concat changed tag contents (None / {} entries included)"
     assert _rows(m.drop("pixel_values")) == full
     assert "pixel_values" not in m.drop("pixel_values").fields
     added = m.with_fields("advantages")
@@ -42,6 +52,18 @@ def test_operations_keep_tags_aligned(meta_cls, n, data):
     assert [t["adv"] for t in stamped.tags] == list(range(n))
     assert _rows(stamped) == full
     assert all("adv" not in t for t in m.tags), "stamp_tags changed the original meta's tags"
+
+
+@pytest.mark.clause("META-TAGS")
+def test_none_and_empty_object_tags_survive(meta_cls):
+    """A text-only row's object-column tag is None (OpenRLHF) or {} (verl): both are values."""
+    m = _meta(meta_cls, 6)
+    for what, got, want in [("subset", m.subset([3, 0, 1]), [m.tags[i] for i in (3, 0, 1)]),
+                            ("slice", m.slice(0, 3), m.tags[:3]),
+                            ("concat", meta_cls.concat([m.slice(0, 2), m.slice(2, 6)]), m.tags),
+                            ("stamp_tags", m.stamp_tags({}), m.tags)]:
+        assert [t.get("multi_modal_inputs", "<missing>") for t in got.tags] == \
+            [t["multi_modal_inputs"] for t in want], f"{what} changed None / {{}} tag entries"
 
 
 @pytest.mark.clause("META-TAGS")
@@ -70,6 +92,7 @@ def test_dp_shards(meta_cls, n, world, seed):
         assert s.extra.get("step") == 3, "shard lost the meta's extras"
     restored = meta_cls.concat(shards).subset(inverse)
     assert restored.keys == m.keys, "the inverse permutation does not restore the order"
+    assert restored.tags == m.tags, "concatenating the shards (a DP collect) lost or changed tags"
     sizes = [len(s) for s in shards]
     assert max(sizes) - min(sizes) <= 1, f"shard sizes {sizes} are unbalanced"
     tokens = [sum(s.seq_lens) for s in shards]

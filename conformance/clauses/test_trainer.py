@@ -3,7 +3,9 @@
 Batches come from the *reference* rollout (built once per module), so these clauses measure
 the trainer alone; GEN-* clauses (test_generation.py) pair the backend's rollout with it.
 Rewards are synthetic and distinct within each group: a random tiny policy rarely earns a
-reward, and equal rewards make every advantage 0 and every gradient check vacuous.
+reward, and equal rewards make every advantage 0 and every gradient check vacuous. Completions
+run to different lengths (per-row caps from the seed, 0 included, and a sampled EOS), so rows
+carry different numbers of loss tokens and a loss aggregated the wrong way shows.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def _rewards(n: int) -> torch.Tensor:
 class Rollouts:
     """Reference-rollout batches, cached per (family, pattern, groups, group size)."""
 
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, device: str, dtype: torch.dtype, seed: int) -> Rollouts:
+        """One cache per process for every trainer clause module."""
+        key = (device, dtype, seed)
+        if key not in cls._shared:
+            cls._shared[key] = cls(device, dtype, seed)
+        return cls._shared[key]
+
     def __init__(self, device: str, dtype: torch.dtype, seed: int):
         self.device, self.dtype, self.seed = device, dtype, seed
         self._engines: dict = {}
@@ -68,20 +80,21 @@ class Rollouts:
 
     def get(self, family: str, pattern=MIXED, n_prompts: int = 3, group: int = GROUP):
         from rlconform.fixtures.families import build_family
-        from rlconform.fixtures.images import make_prompts
+        from rlconform.fixtures.images import completion_caps, make_prompts
         from rlconform.reference_impl.rollout import HFRollout
 
         key = (family, tuple(pattern), n_prompts, group)
         if key not in self._batches:
             fam = build_family(family)
             if family not in self._engines:
-                self._engines[family] = HFRollout(fam, self.settings(family))
+                # one engine at a time: at production widths each holds billions of weights
+                self._engines = {family: HFRollout(fam, self.settings(family))}
             prompts, images, _ = make_prompts(n_prompts, list(_images(family, pattern)),
                                               seed=self.seed)
             prompts = [p for p in prompts for _ in range(group)]
             images = [i for i in images for _ in range(group)]
-            batch = self._engines[family].generate(prompts, images, MAX_NEW_TOKENS,
-                                                   seed=self.seed)
+            caps = completion_caps(len(prompts), MAX_NEW_TOKENS, self.seed)
+            batch = self._engines[family].generate(prompts, images, caps, seed=self.seed)
             self._batches[key] = (batch, prompts, images)
         return self._batches[key]
 
@@ -94,7 +107,7 @@ def rollouts(device, dtype, seed):
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
-    yield Rollouts(device, dtype, seed)
+    yield Rollouts.shared(device, dtype, seed)
     torch.set_num_threads(threads)
 
 
@@ -280,7 +293,8 @@ def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
     else:
         batch, _, _ = rollouts.get(family, pattern, n)
     settings = rollouts.settings(family)
-    dp, _, trainer = _step(backend, transport, codec, meta_cls, settings, batch, **dict(kw))
+    # only the outcome is kept: the data-plane trainer is freed before the legacy one is built
+    dp = _step(backend, transport, codec, meta_cls, settings, batch, **dict(kw))[0]
     if "advantages" not in kw:
         kw.update(rewards=_rewards(len(batch)), group_size=GROUP)
     legacy_trainer = backend.trainer(settings)
@@ -322,11 +336,12 @@ def test_truncation_and_dynamic_micro_batches_keep_media(backend, transport, cod
     cut = max(lens) - 2  # the longest completions lose their tail
     assert cut > int(batch["prompt_lengths"].max()), "test setup: truncation cuts a prompt"
     truncated = rollouts.settings(family, max_seq_len=cut, max_tokens_per_micro_batch=3 * cut)
-    out, rec, _ = _step(backend, transport, codec, meta_cls, truncated, batch,
-                        advantages=advantages)
+    # keep the records, not the trainers: one trainer alive at a time (production widths)
+    out, rec = _step(backend, transport, codec, meta_cls, truncated, batch,
+                     advantages=advantages)[:2]
     whole = rollouts.settings(family, micro_batch_size=n)
-    _, rec_whole, _ = _step(backend, transport, codec, meta_cls, whole, batch,
-                            advantages=advantages)
+    rec_whole = _step(backend, transport, codec, meta_cls, whole, batch,
+                      advantages=advantages)[1]
 
     ratio = _record_ratio(record_metric, out)
     problems = media_mismatches(rec.events, batch)

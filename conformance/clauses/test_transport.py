@@ -232,3 +232,69 @@ def test_no_aliasing(transport, mutate):
         got["pixel_values"].values().fill_(-1)
     again, _ = transport.get(part, keys, select_fields=list(want))
     assert_columns_equal(want, again)
+
+
+@pytest.mark.clause("DP-ROUNDTRIP", "WIRE-TRANSPORT-ROUNDTRIP")
+@pytest.mark.parametrize("form", ["multi_modal_inputs", "mm_train_inputs"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3", "nemotron_omni"])
+def test_dict_media_and_position_ids_through_transport(transport, codec, family, form):
+    """Per-row dict media (flattened `<field>.<key>` columns, None / {} rows on the tags) and
+    position_ids [B, 4, S], fetched whole and as a reordered subset."""
+    from rlconform.fixtures.synthetic import RowPlan
+
+    plan = default_plan(family) + [RowPlan(2), RowPlan(5, images=[3])]
+    batch = build_batch(family, plan, media_form=form, position_ids=4)
+    wire = codec.encode(batch)
+    keys, part = keys_for(len(batch)), _partition()
+    transport.put(part, keys, wire.columns, wire.tags)
+    cols, tags = transport.get(part, keys, select_fields=list(wire.columns))
+    assert_columns_equal(wire.columns, cols)
+    assert tags == wire.tags, "tags (with None / {} object rows) came back different"
+    idx = [5, 2, 0]
+    cols, tags = transport.get(part, [keys[i] for i in idx], select_fields=list(wire.columns))
+    want = batch.select(idx)
+    want = want.truncate(int(want.seq_lens.max()))
+    assert_batch_equal(want, codec.decode(WireBatch(cols, tags)), f"subset {idx}")
+
+
+def _object_rows() -> list:
+    return [
+        {"pixel_values": torch.randn(8, 1176, generator=torch.Generator().manual_seed(0)),
+         "image_grid_thw": torch.tensor([[1, 2, 4]])},
+        {},
+        None,
+        {"pixel_values": [torch.ones(1, 3, 4, 8), torch.zeros(1, 3, 8, 4)]},
+        {"pixel_values": torch.tensor([[float("nan"), -0.0, 1e-42, -float("inf")]])},
+    ]
+
+
+@pytest.mark.clause("DP-OBJECT")
+def test_object_columns_roundtrip_without_aliasing(transport):
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    col = ObjectColumn(_object_rows())
+    want = col.clone()
+    n = len(col)
+    keys, part = keys_for(n), _partition()
+    transport.put(part, keys, {"multi_modal_inputs": col, "advantages": _block(n)})
+    for idx in (list(range(n)), [4, 0, 2], [2], [1]):
+        got, _ = transport.get(part, [keys[i] for i in idx],
+                               select_fields=["multi_modal_inputs", "advantages"])
+        obj = got["multi_modal_inputs"]
+        assert isinstance(obj, ObjectColumn), f"object column came back as {type(obj).__name__}"
+        why = want.select(idx).first_difference(obj)
+        assert why is None, f"keys {idx}: {why}"
+    col[0].pop("image_grid_thw")  # the caller mutates its rows after put
+    col[0]["pixel_values"].fill_(-1)
+    got, _ = transport.get(part, keys, select_fields=["multi_modal_inputs"])
+    assert want.first_difference(got["multi_modal_inputs"]) is None, \
+        "mutating the caller's rows after put changed what the store returns"
+    got["multi_modal_inputs"][3]["pixel_values"].append(torch.ones(1))
+    got["multi_modal_inputs"][4]["pixel_values"].fill_(0)
+    again, _ = transport.get(part, keys, select_fields=["multi_modal_inputs"])
+    why = want.first_difference(again["multi_modal_inputs"])
+    assert why is None, f"mutating a fetched object column changed the store: {why}"
+    transport.put(part, keys, {"rewards": _block(n, 1.0)})  # a later put merges
+    merged, _ = transport.get(part, keys, select_fields=["multi_modal_inputs", "rewards"])
+    assert want.first_difference(merged["multi_modal_inputs"]) is None, \
+        "a later put of another column changed the object column"

@@ -1,13 +1,15 @@
-"""Batch-operation mutants: truncation, padding, validation and stage inputs gone wrong."""
+"""Batch-operation mutants: truncation, padding, validation, stage inputs, the batch algebra and
+micro-batching gone wrong."""
 
 from __future__ import annotations
 
 import torch
 
 from rlconform.conformance.backends.reference import build
-from rlconform.reference_impl.batch import BatchOps
+from rlconform.reference_impl.batch import Batch, BatchOps
+from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
-from rlconform.reference_impl.registry import Kind, Stage, spec
+from rlconform.reference_impl.registry import FIELDS, Kind, Stage, spec
 
 from . import mutant
 
@@ -119,3 +121,250 @@ def _drop_map():
 
     return _with(Ops)()
 
+
+
+# -- sequence dims: per-token fields whose sequence dim is not dim 1 (position_ids [B, C, S]) ---
+@mutant("truncate_position_ids_on_dim1", "truncation narrowed dim 1 of every per-token field: "
+        "M-RoPE position_ids [B, 3, S] kept all S positions (or lost channels)", "batch_ops")
+def _truncate_dim1():
+    class Ops(BatchOps):
+        def truncate(self, batch, max_len):
+            out = batch.truncate(max_len)
+            for name in batch.names(Kind.PER_TOKEN):
+                out.fields[name] = batch[name][:, :max_len]
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("pad_position_ids_on_dim1", "padding grew dim 1 of every per-token field: position_ids "
+        "[B, 3, S] gained channels instead of positions", "batch_ops")
+def _pad_dim1():
+    class Ops(BatchOps):
+        def pad_to(self, batch, seq_len):
+            out = batch.pad_to(seq_len)
+            for name in batch.names(Kind.PER_TOKEN):
+                v = batch[name]
+                if v.shape[1] < seq_len:
+                    pad = v.new_zeros((v.shape[0], seq_len - v.shape[1], *v.shape[2:]))
+                    out.fields[name] = torch.cat([v, pad], dim=1)
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("validator_checks_dim1", "the sequence-dim validator took dim 1 as the sequence of every "
+        "per-token field: a valid [B, 3, S] position_ids was rejected", "batch_ops")
+def _validator_dim1():
+    class Ops(BatchOps):
+        def validate(self, batch):
+            batch.validate()
+            for name in batch.names(Kind.PER_TOKEN):
+                v = batch[name]
+                if v.shape[1] != batch["input_ids"].shape[1]:
+                    raise ValueError(f"per-token field {name!r} has dim 1 {v.shape[1]}")
+
+    return _with(Ops)()
+
+
+@mutant("validator_skips_multi_dim_per_token", "the validator checked only [B, S] per-token "
+        "fields: a [B, 3, S - 1] position_ids passed", "batch_ops")
+def _validator_2d_only():
+    class Ops(BatchOps):
+        def validate(self, batch):
+            batch.without(*[n for n in batch.names(Kind.PER_TOKEN)
+                            if batch[n].dim() > 2]).validate()
+
+    return _with(Ops)()
+
+
+# -- model inputs from per-row dict columns ----------------------------------------------------
+@mutant("object_inputs_ignored", "stage inputs came from packed fields only: media held in a "
+        "per-row dict column (verl multi_modal_inputs) never reached the model", "batch_ops")
+def _object_ignored():
+    class Ops(BatchOps):
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            return batch.without(*batch.names(Kind.OBJECT)).multimodal_inputs(stage, dtype)
+
+    return _with(Ops)()
+
+
+@mutant("object_inputs_concat_rows", "stage inputs concatenated the dict rows' tensors on dim 0, "
+        "skipping {} / None rows (extract_multi_modal_inputs style): rows of pack-dim-1 media "
+        "lose their alignment with the batch", "batch_ops")
+def _object_concat():
+    class Ops(BatchOps):
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            objects = batch.names(Kind.OBJECT)
+            out = batch.without(*objects).multimodal_inputs(stage, dtype)
+            for name in objects:
+                merged: dict = {}
+                for row in batch[name]:
+                    for k, v in (row or {}).items():
+                        merged.setdefault(k, []).extend(v if isinstance(v, list) else [v])
+                for k, vs in merged.items():
+                    t = torch.cat(vs) if len({tuple(v.shape[1:]) for v in vs}) == 1 \
+                        else PackedTensor.from_rows([vs]).as_tensor()
+                    if dtype is not None and spec(k).dtype_policy.value == "policy" and \
+                            t.is_floating_point() and k not in (batch.family_spec.keep_dtype
+                                                                if batch.family_spec else ()):
+                        t = t.to(dtype)
+                    out[k] = t
+            return out
+
+    return _with(Ops)()
+
+
+# -- batch algebra ------------------------------------------------------------------------------
+def _packed_map(batch: Batch, fn) -> Batch:
+    out = Batch(dict(batch.fields), batch.family, dict(batch.extra))
+    for name, v in batch.fields.items():
+        if isinstance(v, PackedTensor):
+            out.fields[name] = fn(name, v)
+    return out
+
+
+@mutant("concat_renumbers_media", "concat kept each part's segment indices: rows of the later "
+        "parts point at the first part's images", "batch_ops")
+def _concat_renumber():
+    class Ops(BatchOps):
+        def concat(self, batches):
+            out = Batch.concat(batches)
+
+            def stale(name, v):
+                parts = [b[name] for b in batches]
+                return PackedTensor([s for p in parts for s in p.segments],
+                                    [r for p in parts for r in p.rows], v.pack_dim)
+
+            return _packed_map(out, stale)
+
+    return _with(Ops)()
+
+
+@mutant("concat_densifies_media", "concat merged each row's images into one segment: the "
+        "per-image boundaries of a several-image row are gone", "batch_ops")
+def _concat_dense():
+    class Ops(BatchOps):
+        def concat(self, batches):
+            def dense(name, v):
+                rows = []
+                for i in range(len(v)):
+                    segs = v.row_segments(i)
+                    same = segs and len({tuple(s.shape[1:]) for s in segs}) == 1
+                    rows.append(None if segs is None else [torch.cat(segs)] if same else segs)
+                return PackedTensor.from_rows(rows, v.pack_dim)
+
+            return _packed_map(Batch.concat(batches), dense)
+
+    return _with(Ops)()
+
+
+@mutant("split_pixels_by_row_count", "split cut the flat pixel_values into chunks by row count "
+        "instead of by each row's grid: right only when every row has the same patches",
+        "batch_ops")
+def _split_by_rows():
+    class Ops(BatchOps):
+        def split(self, batch, sizes):
+            parts = batch.split(sizes)
+            b = len(batch)
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            for name, v in batch.fields.items():
+                if not isinstance(v, PackedTensor) or v.pack_dim != 0 or FIELDS[name].grid is None:
+                    continue
+                flat = v.as_tensor()
+                if flat is None:
+                    continue
+                total = flat.shape[0]
+                for k, (a, n) in enumerate(zip(starts, sizes)):
+                    cut = flat[total * a // b: total * (a + n) // b]
+                    part = parts[k][name]
+                    rows, pos = [], 0
+                    for i in range(len(part)):
+                        segs = part.row_segments(i)
+                        if segs is None:
+                            rows.append(None)
+                            continue
+                        new = []
+                        for s in segs:
+                            piece = cut[pos:pos + s.shape[0]]
+                            pos += s.shape[0]
+                            if piece.shape[0] < s.shape[0]:
+                                piece = torch.cat([piece, s.new_zeros((s.shape[0] - piece.shape[0],
+                                                                       *s.shape[1:]))])
+                            new.append(piece)
+                        rows.append(new)
+                    parts[k].fields[name] = PackedTensor.from_rows(rows, part.pack_dim)
+            return parts
+
+    return _with(Ops)()
+
+
+@mutant("select_shares_dict_rows", "select handed out the source's per-row dicts: a stage that "
+        "pops a key (verl pops mm_token_type_ids) changes every batch holding the row",
+        "batch_ops")
+def _shared_rows():
+    class Ops(BatchOps):
+        def select(self, batch, indices):
+            out = batch.select(indices)
+            for name in batch.names(Kind.OBJECT):
+                col = ObjectColumn([])
+                col.rows = [batch[name].rows[int(i)] for i in indices]
+                out.fields[name] = col
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("concat_object_none_as_empty", "concat normalised text-only rows to {}: OpenRLHF's None "
+        "rows came back as verl-style empty dicts", "batch_ops")
+def _none_as_empty():
+    class Ops(BatchOps):
+        def concat(self, batches):
+            out = Batch.concat(batches)
+            for name in out.names(Kind.OBJECT):
+                out.fields[name] = ObjectColumn([{} if r is None else r for r in out[name]])
+            return out
+
+    return _with(Ops)()
+
+
+# -- micro-batches -------------------------------------------------------------------------------
+@mutant("micro_batch_drops_remainder", "micro-batches of B // n rows each (split_tensor_dict): "
+        "the B % n last rows never trained", "batch_ops")
+def _drop_remainder():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            order = [i for idx, _ in batch.micro_batches(1, shuffle_seed) for i in idx]
+            size = len(batch) // n
+            return [(order[k * size:(k + 1) * size], batch.select(order[k * size:(k + 1) * size]))
+                    for k in range(n)]
+
+    return _with(Ops)()
+
+
+@mutant("shuffle_leaves_media_in_place", "the shuffle permuted the tensors but not the media: "
+        "each micro-batch got its rows' tokens with the unshuffled rows' images", "batch_ops")
+def _media_in_place():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            out = batch.micro_batches(n, shuffle_seed)
+            start = 0
+            for idx, mb in out:
+                plain = batch.slice(start, start + len(idx))
+                start += len(idx)
+                for name, v in plain.fields.items():
+                    if isinstance(v, (PackedTensor, ObjectColumn)):
+                        mb.fields[name] = v
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("micro_batch_ignores_seed", "shuffle_seed was accepted and ignored: every epoch saw "
+        "the same micro-batches in the same order", "batch_ops")
+def _ignores_seed():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            return batch.micro_batches(n, None)
+
+    return _with(Ops)()

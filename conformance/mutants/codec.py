@@ -9,6 +9,8 @@ import torch
 from rlconform.conformance.backends.reference import build
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged
+from rlconform.reference_impl.dataplane import jagged_from_values
+from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind
 
@@ -147,5 +149,79 @@ def _trusting():
                         t[name] = meta
             cols["input_lengths"] = torch.tensor([t["seq_len"] for t in tags])
             return super().decode(WireBatch(cols, tags))
+
+    return _with(C)()
+
+
+# -- per-row dict columns and multi-dim per-token fields ----------------------------------------
+def _rewrite_objects(batch: Batch, fn) -> Batch:
+    for name in batch.names(Kind.OBJECT):
+        batch.fields[name] = ObjectColumn([fn(r) for r in batch[name]])
+    return batch
+
+
+@mutant("codec_object_none_as_empty", "the wire form had no None row: OpenRLHF's text-only None "
+        "rows decoded as verl-style {}", "codec")
+def _object_none():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            return _rewrite_objects(super().decode(wire), lambda r: {} if r is None else r)
+
+    return _with(C)()
+
+
+@mutant("codec_object_missing_key_as_empty", "a row lacking a key decoded it as a zero-length "
+        "tensor (the (0, ...) media of a text-only row, in dict form)", "codec")
+def _object_missing_key():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            out = super().decode(wire)
+            for name in out.names(Kind.OBJECT):
+                keys = out[name].keys()
+                first = {k: next(r[k] for r in out[name] if r and k in r) for k in keys}
+
+                def fill(r, first=first):
+                    if r is None:
+                        return None
+                    empty = {k: (v[:0] if not isinstance(v, list) else [])
+                             for k, v in first.items() if k not in r}
+                    return {**r, **empty}
+
+                out.fields[name] = ObjectColumn([fill(r) for r in out[name]])
+            return out
+
+    return _with(C)()
+
+
+@mutant("codec_object_lists_concatenated", "per-image list values were concatenated into one "
+        "tensor on the wire (shape-ragged images padded away or merged)", "codec")
+def _object_lists():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            def merge(r):
+                if r is None:
+                    return None
+                out = {}
+                for k, v in r.items():
+                    if isinstance(v, list) and v:
+                        v = PackedTensor.from_rows([v]).as_tensor()
+                    out[k] = v
+                return out
+
+            return _rewrite_objects(super().decode(wire), merge)
+
+    return _with(C)()
+
+
+@mutant("codec_cuts_per_token_dim1", "per-token fields were cut at each row's length on dim 1: "
+        "M-RoPE position_ids [B, 3, S] lost positions or channels", "codec")
+def _per_token_dim1():
+    class C(ReferenceCodec):
+        @staticmethod
+        def _encode_per_token(name, v, lens):
+            if v.dim() == 2:
+                return ReferenceCodec._encode_per_token(name, v, lens)
+            rows = [v[i, :n] for i, n in enumerate(lens)]  # dim 1: channels, not positions
+            return jagged_from_values(torch.cat(rows), [r.shape[0] for r in rows])
 
     return _with(C)()

@@ -87,3 +87,15 @@ def _shared_tags():
             return out
 
     return _with(M)()
+
+
+@mutant("meta_drops_none_tag_values", "subset compacted each row's tag, dropping None-valued "
+        "entries: a text-only row's object-column tag vanished", "meta")
+def _drop_none_tags():
+    class M(BatchMeta):
+        def _new(self, idx, **kw):
+            out = super()._new(idx, **kw)
+            out.tags = [{k: v for k, v in t.items() if v is not None} for t in out.tags]
+            return out
+
+    return _with(M)()

@@ -1,16 +1,28 @@
 """Trainer mutants: the reference trainer with one field-seen defect each, on the data plane.
 
-Each defect lives in the data-plane path; the in-memory (legacy) trainer of a mutant is the
-reference one, as in the field, where the legacy path was the yardstick that exposed them.
+Each field defect lives in the data-plane path; the in-memory (legacy) trainer of such a mutant
+is the reference one, as in the field, where the legacy path was the yardstick that exposed them.
+The numerics defects at the end live in the algorithm both paths share (`GRPOCore`), so both
+paths carry them and only an expected value from outside the trainer shows them.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
 
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import Kind, Stage, spec
-from rlconform.reference_impl.trainer import DataPlaneTrainer, GRPOCore, LegacyTrainer
+from rlconform.reference_impl.trainer import (
+    DataPlaneTrainer,
+    GRPOCore,
+    LegacyTrainer,
+    micro_batch_rows,
+)
 
 
 def _backend(dataplane_cls: type):
@@ -24,6 +36,31 @@ def _backend(dataplane_cls: type):
 
             codec = ReferenceCodec()
         return dataplane_cls(settings, transport, codec, model)
+
+    return build(trainer=make_trainer)
+
+
+def _shared_backend(core_cls: type):
+    """A defect in the algorithm both paths share: the legacy trainer carries it too."""
+
+    class _Legacy(LegacyTrainer):
+        pass
+
+    class _DataPlane(DataPlaneTrainer):
+        pass
+
+    _Legacy.core_cls = _DataPlane.core_cls = core_cls
+
+    def make_trainer(settings, transport=None, codec=None, model=None):
+        if transport is None:
+            return _Legacy(settings, model)
+        if codec is None:
+            from rlconform.reference_impl.codec import ReferenceCodec
+
+            codec = ReferenceCodec()
+        return _DataPlane(settings, transport, codec, model)
+
+    from rlconform.conformance.backends.reference import build
 
     return build(trainer=make_trainer)
 
@@ -180,3 +217,116 @@ class _SortedMicroBatches(DataPlaneTrainer):
         "trainer")
 def dynamic_batching_misaligns_media():
     return _backend(_SortedMicroBatches)
+
+
+# -- loss aggregation and gradient numerics: defects in the algorithm both paths share, so
+# TRAIN-LEGACY-PARITY cannot see them; only an expected value from elsewhere shows them ----
+class _MicroBatchMeanCore(GRPOCore):
+    def loss_normalizer(self, shards):
+        self._n_micro = sum(len(micro_batch_rows(b.seq_lens.tolist(), self.settings))
+                            for b in shards)
+        return super().loss_normalizer(shards)
+
+    def micro_batch_loss(self, mb, logp, normalizer):
+        # the defect: each micro-batch's mean over its own tokens, averaged over micro-batches
+        own = max(1.0, float(mb["token_mask"].sum()))
+        return super().micro_batch_loss(mb, logp, own * self._n_micro)
+
+
+@mutant("loss_mean_per_micro_batch", "gradient accumulation normalised each micro-batch's loss "
+        "by its own token count and averaged over micro-batches (the transformers gradient-"
+        "accumulation bug, fixed in 4.46): right only when every micro-batch holds the same "
+        "number of loss tokens", "trainer")
+def loss_mean_per_micro_batch():
+    return _shared_backend(_MicroBatchMeanCore)
+
+
+class _SequenceMeanCore(GRPOCore):
+    def loss_normalizer(self, shards):
+        super().loss_normalizer(shards)
+        return float(sum(b.batch_size for b in shards))  # the defect: rows, not tokens
+
+    def micro_batch_loss(self, mb, logp, normalizer):
+        # each row's mean over its own tokens (a row with none counts as one), then the mean
+        # over the step's rows: the weighted mask leaves the per-token metrics as they are
+        mask = mb["token_mask"].to(logp.dtype)
+        weighted = mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        return super().micro_batch_loss(mb.replace(token_mask=weighted), logp, normalizer)
+
+
+@mutant("sequence_mean_loss", "the loss was aggregated as a sequence-mean (mean over each "
+        "row's tokens, then over rows) instead of the token-mean over the step: short "
+        "completions weigh as much as long ones; invariant to every split", "trainer")
+def sequence_mean_loss():
+    return _shared_backend(_SequenceMeanCore)
+
+
+class _DPDivisorCore(GRPOCore):
+    def train(self, shards):
+        world = len(shards)  # the defect: ranks average gradients of a loss already divided
+        hooks = [p.register_hook(lambda g: g / world)  # by the step's (global) token count
+                 for p in self.model.parameters() if p.requires_grad]
+        try:
+            return super().train(shards)
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+@mutant("dp_grad_wrong_divisor", "data-parallel ranks averaged their gradients (divided by the "
+        "world size) although each rank's loss was already normalised by the global token "
+        "count: gradients 1/world too small (Adam hides most of it, clipping and SGD do not)",
+        "trainer")
+def dp_grad_wrong_divisor():
+    return _shared_backend(_DPDivisorCore)
+
+
+class _ClipUpperCore(GRPOCore):
+    def micro_batch_loss(self, mb, logp, normalizer):
+        saved = self.settings  # the defect: clamp(max=1 + eps) only, the lower bound dropped
+        self.settings = dataclasses.replace(saved, clip_low=math.inf)
+        try:
+            return super().micro_batch_loss(mb, logp, normalizer)
+        finally:
+            self.settings = saved
+
+
+@mutant("clip_upper_only", "the ratio was clipped as min(ratio, 1 + eps) only: for negative "
+        "advantages a ratio below 1 - eps keeps its gradient; invisible while the ratio is 1",
+        "trainer")
+def clip_upper_only():
+    return _shared_backend(_ClipUpperCore)
+
+
+class _WrongAxisCore(GRPOCore):
+    def micro_batch_loss(self, mb, logp, normalizer):
+        b, s = logp.shape  # the defect: [B] expanded on a new leading axis, then reshaped
+        adv = mb["advantages"].to(logp.device).expand(s, b).reshape(b, s)
+        return super().micro_batch_loss(mb.replace(advantages=adv), logp, normalizer)
+
+
+@mutant("advantage_wrong_axis", "per-sample advantages broadcast to per-token on the wrong "
+        "axis (expand(S, B).reshape(B, S)): tokens get other samples' advantages; right only "
+        "for a micro-batch of one row", "trainer")
+def advantage_wrong_axis():
+    return _shared_backend(_WrongAxisCore)
+
+
+class _DetachedNormalizerCore(GRPOCore):
+    def token_logprobs(self, model, mb, stage):
+        inputs = self.model_inputs(mb, stage)
+        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+        ids = inputs["input_ids"]
+        # the defect (a memory-saving rewrite shared by every pass): the log-normaliser is
+        # detached, so the values are right and the gradient misses the -softmax term
+        logp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - \
+            torch.logsumexp(logits, dim=-1).detach()
+        logp = torch.nn.functional.pad(logp, (1, 0))
+        return logp * inputs["attention_mask"].to(logp.dtype)
+
+
+@mutant("logprob_detached_normalizer", "the token-logprob gather shared by every pass computed "
+        "logits[y] - logsumexp(logits).detach(): logprobs (and probs_ratio == 1) are right, the "
+        "gradient w.r.t. the logits lacks the -softmax term", "trainer")
+def logprob_detached_normalizer():
+    return _shared_backend(_DetachedNormalizerCore)

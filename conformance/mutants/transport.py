@@ -236,3 +236,51 @@ def _alias_get():
             return cols, tags
 
     return _with(T)()
+
+
+# -- object columns (capability object_columns) ------------------------------------------------
+def _object_layout(self, partition: str, name: str) -> bool:
+    layout = self._layouts.get(partition, {}).get(name)
+    return layout is not None and layout.kind == "object"
+
+
+@mutant("transport_object_rows_aliased", "object columns were stored and returned by reference: "
+        "a caller that pops a key from a row, or fills a tensor in it, changes the store",
+        "transport")
+def _object_aliased():
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns, tags)
+            for name, col in columns.items():
+                if isinstance(col, ObjectColumn):
+                    for k, row in zip(keys, col.rows):
+                        self._rows[partition][k][name] = row
+
+        def get(self, partition, keys, select_fields=None):
+            out, tags = super().get(partition, keys, select_fields)
+            for name in select_fields or []:
+                if _object_layout(self, partition, name):
+                    col = ObjectColumn([])
+                    col.rows = [self._rows[partition][k][name] for k in keys]
+                    out[name] = col
+            return out, tags
+
+    return _with(T)()
+
+
+@mutant("transport_object_none_as_empty", "the store had no None value: text-only None rows of "
+        "an object column came back as {}", "transport")
+def _object_none():
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            out, tags = super().get(partition, keys, select_fields)
+            for name, col in out.items():
+                if isinstance(col, ObjectColumn):
+                    out[name] = ObjectColumn([{} if r is None else r for r in col])
+            return out, tags
+
+    return _with(T)()

@@ -1,0 +1,537 @@
+"""verl 0.9.1's data path as an rlconform backend: its own functions, wrapped, never re-implemented.
+
+rlconform's fields map straight onto verl's containers: per-token fields (`position_ids`
+`[B, S]` or M-RoPE `[B, 3|4, S]` included) and per-sample fields are the tensors of
+`DataProto.batch`; media are verl's per-sample dicts in `non_tensor_batch["multi_modal_inputs"]`
+(an object array, `{}` for a text-only row). An object column of the batch (`multi_modal_inputs`,
+or OpenRLHF's `mm_train_inputs` with None rows) is that array, row objects as they are; packed
+fields become those dicts through `Batch.to_row_dicts` and come back through `from_row_dicts`.
+
+| surface | verl 0.9.1 |
+|---|---|
+| codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length on their sequence dim, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
+| meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is `_balance_batch` (`seqlen_balancing.calculate_workload`, `get_seqlen_balanced_partitions(equal_size=True)`, `KVBatchMeta.reorder`) then verl's dispatch `BatchData(meta).chunk(world)`, which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`BatchData(list).concat()`) |
+| batch_ops | validate: `DataProto.from_dict` + `check_consistency`; pad_to: `torch_functional.pad_sequence_to_length` on each per-token tensor; multimodal_inputs: `utils.model.extract_multi_modal_inputs` over the media dicts (every stage, as verl's FSDP, Megatron and TorchTitan engines call it); select: `DataProto.select_idxs`; concat: `DataProto.concat`; split: `DataProto` slices; micro_batches: `seqlen_balancing.prepare_dynamic_batch` (`rearrange_micro_batches`) |
+
+Not declared (Backend.notes): transport (verl's data plane is TransferQueue, bundled already),
+trainer and rollout (verl's engines and rollout need GPUs and vLLM/SGLang). verl has no batch
+truncation: `truncate` raises (BATCH-TRUNCATE is waived as unsupported).
+
+The meta surface runs verl's TransferQueue path for real: the session starts Ray and a
+TransferQueue controller with one SimpleStorage unit (as the transferqueue-simple backend does),
+and `shard_for_dp` registers the meta's keys and tags in TransferQueue under a per-process
+namespace before verl's dispatch reads them back (`kv_batch_meta2batch_meta`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from rlconform.conformance.backend import Backend, package_version
+
+MEDIA = "multi_modal_inputs"  # verl's non_tensor_batch key for per-sample media dicts
+SEQ_LEN = "seq_len"  # the tag key verl's driver reads a row's length from (agent_loop_tq)
+CAPABILITIES = {"dp", "bfloat16", "cpu", "media_dedup", "dim1_packing", "batch_algebra",
+                "micro_batching"}
+NOTES = {
+    "transport": "verl has no key/value store of its own: its data plane is TransferQueue "
+    "(bundled as transferqueue-simple / transferqueue-mooncake)",
+    "trainer": "verl's FSDP/Megatron engines need GPUs and a distributed launch; not run here",
+    "rollout": "verl's rollout needs vLLM or SGLang servers; not run here",
+}
+
+
+def _verl():
+    try:
+        import verl.protocol  # noqa: F401  (imports ray, tensordict, transfer_queue if present)
+        from verl.utils import tensordict_utils  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "the verl backend needs `pip install --no-deps verl==0.9.1` plus `tensordict==0.10.0 "
+            "TransferQueue==0.1.11 ray omegaconf numpy packaging` (nox -s conformance -- "
+            f"--backend verl installs them): {exc}") from exc
+
+
+# -- rlconform Batch <-> verl's containers -------------------------------------------------------
+_FORM = "rlconform_media_form"  # DataProto.meta_info / codec tag: how the Batch held its media
+
+
+def _media_form(batch) -> dict:
+    """Where the batch's media are: an object column (verl's multi_modal_inputs, OpenRLHF's
+    mm_train_inputs) or packed fields (with their pack dims), plus the family."""
+    from rlconform.reference_impl.packed import PackedTensor
+    from rlconform.reference_impl.registry import Kind
+
+    objects = batch.names(Kind.OBJECT)
+    packed = {n: v.pack_dim for n, v in batch.fields.items() if isinstance(v, PackedTensor)}
+    if len(objects) > 1 or (objects and packed):
+        raise ValueError(f"verl holds a sample's media in one dict column; the batch has "
+                         f"object fields {objects} and packed fields {sorted(packed)}")
+    return {"object": objects[0] if objects else None, "packed": packed, "family": batch.family}
+
+
+def _media_rows(batch, form: dict) -> list | None:
+    """The rows of verl's `multi_modal_inputs`: the object column's own dicts (not copies: verl's
+    algebra then shows whether it shares them), or the packed fields as per-sample dicts
+    (`Batch.to_row_dicts`, the processor's per-sample form, `{}` for a text-only row)."""
+    if form["object"]:
+        return list(batch[form["object"]].rows)
+    if form["packed"]:
+        return list(batch.to_row_dicts(MEDIA)[MEDIA].rows)
+    return None
+
+
+def _object_column(rows):
+    """An ObjectColumn over verl's row objects as they are (the constructor would copy them)."""
+    from rlconform.reference_impl.objects import ObjectColumn, check_row
+
+    rows = list(rows)
+    for i, r in enumerate(rows):
+        check_row(i, r, MEDIA)
+    col = ObjectColumn.__new__(ObjectColumn)
+    col.rows = rows
+    return col
+
+
+def _batch(fields: dict, rows, form: dict):
+    """A Batch from verl's tensors and media rows, in the form the source batch held them."""
+    from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.packed import PackedTensor
+
+    family = form["family"]
+    if rows is None:
+        return Batch(fields, family)
+    if form["object"]:
+        return Batch({**fields, form["object"]: _object_column(rows)}, family)
+    out = Batch({**fields, MEDIA: _object_column(rows)}, family).from_row_dicts(MEDIA)
+    n = len(rows)
+    missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)  # fields with no media in
+               for name, pd in form["packed"].items() if name not in out.fields}  # any row
+    return out.replace(**missing) if missing else out
+
+
+def to_proto(batch):
+    """A `DataProto` holding `batch`: tensors in `batch`, media dicts in `non_tensor_batch`."""
+    import numpy as np
+    from verl.protocol import DataProto
+
+    form = _media_form(batch)
+    tensors = {n: v for n, v in batch.fields.items() if isinstance(v, torch.Tensor)}
+    rows = _media_rows(batch, form)
+    non_tensors = {}
+    if rows is not None:
+        media = np.empty(len(rows), dtype=object)  # np.array(rows) may build a 2-D array
+        media[:] = rows
+        non_tensors[MEDIA] = media
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={_FORM: form})
+
+
+def from_proto(proto):
+    """The Batch a DataProto made by `to_proto` (and verl's operations on it) holds."""
+    form = proto.meta_info[_FORM]
+    fields = dict(proto.batch.items()) if proto.batch is not None else {}
+    media = proto.non_tensor_batch.get(MEDIA)
+    return _batch(fields, None if media is None else list(media), form)
+
+
+def _media_list(proto) -> list:
+    media = proto.non_tensor_batch.get(MEDIA)
+    return [] if media is None else list(media)
+
+
+# -- codec: the TransferQueue rollout write ------------------------------------------------------
+class VerlCodec:
+    """encode: one dict per sample as verl's TransferQueue agent loop builds it, then
+    `list_of_dict_to_tensordict`; decode: `tensordict_utils.get` per key.
+
+    A per-token field travels cut at the row's length on its sequence dim (`input_ids[i, :n]`,
+    `position_ids[i, :, :n]`, as `agent_loop_tq` writes them); the media dict of a row travels
+    as the row's value of `multi_modal_inputs` (a NonTensorStack). Tags carry each row's
+    `seq_len`, the family and how the batch held its media. verl has no pixel dtype policy on
+    its rollout write: `pixel_dtype` is accepted and ignored.
+    """
+
+    name = "verl"
+
+    def __init__(self, pixel_dtype: torch.dtype | None = None):
+        _verl()
+        self.pixel_dtype = pixel_dtype  # verl's write path stores the processor's dtype
+
+    def encode(self, batch):
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        from rlconform.reference_impl.codec import FAMILY_TAG, SEQ_LEN_TAG, WireBatch
+        from rlconform.reference_impl.registry import Kind, spec
+
+        if batch.batch_size == 0:
+            raise ValueError(f"cannot encode an empty batch (fields {sorted(batch.fields)})")
+        batch.validate()
+        lens = batch.seq_lens.tolist()
+        form = _media_form(batch)
+        media = _media_rows(batch, form)
+        samples = []
+        for i, n in enumerate(lens):
+            sample = {}
+            for name, v in batch.fields.items():
+                kind = spec(name).kind
+                if kind is Kind.PER_TOKEN:
+                    row = v[i]
+                    sample[name] = row.narrow(spec(name).seq_axis(v.dim()) - 1, 0, n)
+                elif kind is Kind.PER_SAMPLE:
+                    sample[name] = v[i]
+            if media is not None:
+                sample[MEDIA] = media[i]
+            samples.append(sample)
+        td = list_of_dict_to_tensordict(samples)
+        tags = []
+        for n in lens:
+            tag = {SEQ_LEN_TAG: int(n), _FORM: form}
+            if batch.family:
+                tag[FAMILY_TAG] = batch.family
+            tags.append(tag)
+        return WireBatch({k: td.get(k) for k in td.keys()}, tags)
+
+    def decode(self, wire):
+        from tensordict import TensorDict
+        from verl.utils import tensordict_utils as tu
+
+        from rlconform.reference_impl.codec import SEQ_LEN_TAG
+        from rlconform.reference_impl.registry import FAMILIES, Kind, spec
+
+        b = len(wire.tags)
+        if b == 0:
+            raise ValueError(f"cannot decode an empty wire batch (columns {sorted(wire.columns)})")
+        for name, col in wire.columns.items():
+            if len(col) != b:
+                raise ValueError(f"wire column {name!r} has {len(col)} rows but there are {b} tags")
+        for i, t in enumerate(wire.tags):
+            for key in (SEQ_LEN_TAG, _FORM):
+                if key not in t:
+                    raise KeyError(f"row {i}'s tag lacks {key!r}: tags must travel 1:1 with rows")
+        forms = [t[_FORM] for t in wire.tags]
+        if any(f != forms[0] for f in forms):
+            raise ValueError("wire tags disagree on the batch's media form or family")
+        form = forms[0]
+        if form["family"] is not None and form["family"] not in FAMILIES:
+            raise KeyError(f"wire tags name unknown family {form['family']!r}")
+        lens = [int(t[SEQ_LEN_TAG]) for t in wire.tags]
+        td = TensorDict(dict(wire.columns), batch_size=[b])
+        fields, media = {}, None
+        for key in td.keys():
+            value = tu.get(td, key)
+            if key == MEDIA:
+                media = value
+                continue
+            fs = spec(key)
+            if fs.kind is Kind.PER_TOKEN:
+                fields[key] = self._per_token(key, value, lens, fs)
+            else:
+                if value.is_nested:
+                    raise TypeError(f"per-sample column {key!r} came back jagged")
+                fields[key] = value.clone()
+        got = fields["input_lengths"].tolist() if "input_lengths" in fields else None
+        if got != lens:
+            raise ValueError(f"tags' seq_len {lens} disagree with 'input_lengths' {got}")
+        if (media is None) != (form["object"] is None and not form["packed"]):
+            raise KeyError(f"the wire batch {'lacks' if media is None else 'has'} the "
+                           f"{MEDIA!r} column its tags say it {'has' if media is None else 'lacks'}")
+        batch = _batch(fields, media, form)
+        batch.validate()
+        return batch
+
+    @staticmethod
+    def _per_token(key, value, lens, fs):
+        if not value.is_nested:  # what verl's readers need: they call .offsets()
+            raise TypeError(
+                f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
+                "verl's readers of the no-padding layout (rearrange_micro_batches, the engines' "
+                "prepare_model_inputs, response_from_nested) call .offsets()")
+        rows = value.unbind(0)
+        out = None
+        for i, (r, n) in enumerate(zip(rows, lens)):
+            axis = fs.seq_axis(r.dim() + 1) - 1
+            if r.shape[axis] != n:
+                raise ValueError(f"per-token column {key!r} row {i} has {r.shape[axis]} tokens, "
+                                 f"its tag says seq_len {n}")
+            if out is None:
+                shape = list(r.shape)
+                shape[axis] = max(lens)
+                out = torch.full((len(rows), *shape), fs.pad_value, dtype=r.dtype)
+            out[i].narrow(axis, 0, n).copy_(r)
+        return out
+
+
+# -- meta: the driver's KVBatchMeta and verl's dispatch/collect ------------------------------------
+_NAMESPACE = f"rlc-verl-{uuid.uuid4().hex[:8]}"
+
+
+class VerlBatchMeta:
+    """rlconform's BatchMeta surface over the `KVBatchMeta` verl's v1 trainer holds.
+
+    A row's sequence length is its tag's `seq_len` (verl's `_balance_batch` reads it there);
+    tags given with a `seq_len` must agree with `seq_lens`. A meta made by `shard_for_dp` is what
+    verl's dispatch hands one rank (a TransferQueue `BatchMeta`, read here through its global
+    indexes and custom meta); `concat` of such shards is verl's collect.
+    """
+
+    def __init__(self, partition: str, keys: Sequence[str], fields: Sequence[str],
+                 seq_lens: Sequence[int], tags: Sequence[dict], extra: dict | None = None):
+        _verl()
+        from transfer_queue import KVBatchMeta
+
+        keys, seq_lens, tags = list(keys), [int(s) for s in seq_lens], list(tags)
+        if len(seq_lens) != len(keys):
+            raise ValueError(f"meta has {len(keys)} keys but {len(seq_lens)} seq_lens")
+        if len(tags) != len(keys):
+            raise ValueError(f"meta has {len(keys)} keys but {len(tags)} tags")
+        stamped = []
+        for i, (tag, n) in enumerate(zip(tags, seq_lens)):
+            if SEQ_LEN in tag and tag[SEQ_LEN] != n:
+                raise ValueError(f"row {i} (key {keys[i]!r}): tag seq_len {tag[SEQ_LEN]} != "
+                                 f"seq_lens[{i}] {n}")
+            stamped.append({**tag, SEQ_LEN: n})
+        self._set(KVBatchMeta(keys=keys, tags=stamped, partition_id=partition,
+                              fields=list(dict.fromkeys(fields)), extra_info=dict(extra or {})))
+
+    def _set(self, kv, rank=None):
+        self._kv = kv
+        self._rank = rank  # the TransferQueue BatchMeta verl's dispatch gave a rank
+        return self
+
+    @classmethod
+    def _wrap(cls, kv, rank=None) -> VerlBatchMeta:
+        return cls.__new__(cls)._set(kv, rank)
+
+    # -- views --------------------------------------------------------------------------
+    @property
+    def partition(self) -> str:
+        return self._kv.partition_id
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._kv.keys)
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self._kv.fields or [])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [t.get(SEQ_LEN) for t in self._kv.tags]
+
+    @property
+    def tags(self) -> list[dict]:
+        return self._kv.tags
+
+    @property
+    def extra(self) -> dict:
+        return self._kv.extra_info if self._kv.extra_info is not None else {}
+
+    def __len__(self) -> int:
+        return len(self._kv)
+
+    # -- the algebra --------------------------------------------------------------------
+    def _select(self, keys: list[str]) -> VerlBatchMeta:
+        return self._wrap(self._kv.select_keys(keys))
+
+    def subset(self, indices: Sequence[int]) -> VerlBatchMeta:
+        n = len(self)
+        bad = [i for i in indices if not 0 <= i < n]
+        if bad:
+            raise IndexError(f"meta indices {bad} out of range for {n} keys")
+        return self._select([self._kv.keys[i] for i in indices])
+
+    def slice(self, start: int, stop: int) -> VerlBatchMeta:
+        return self._select(self._kv.keys[start:stop])
+
+    @staticmethod
+    def concat(metas: Sequence[VerlBatchMeta]) -> VerlBatchMeta:
+        from verl.protocol import BatchData
+
+        if not metas:
+            raise ValueError("concat needs at least one meta")
+        cls = type(metas[0])
+        if all(m._rank is not None for m in metas):  # rank shards: verl's collect
+            return cls._wrap(BatchData([m._rank for m in metas]).concat())
+        return cls._wrap(BatchData([m._kv for m in metas]).concat())
+
+    def _rebuild(self, fields=None, tags=None) -> VerlBatchMeta:
+        from transfer_queue import KVBatchMeta
+
+        kv = self._kv
+        return self._wrap(KVBatchMeta(keys=list(kv.keys), tags=kv.tags if tags is None else tags,
+                                      partition_id=kv.partition_id,
+                                      fields=self.fields if fields is None else fields,
+                                      extra_info=kv.extra_info))
+
+    def drop(self, *names: str) -> VerlBatchMeta:
+        missing = [n for n in names if n not in self.fields]
+        if missing:
+            raise KeyError(f"meta has no fields {missing} to drop; it has {self.fields}")
+        return self._rebuild(fields=[f for f in self.fields if f not in names])
+
+    def with_fields(self, *names: str) -> VerlBatchMeta:
+        return self._rebuild(fields=list(dict.fromkeys(self.fields + list(names))))
+
+    def stamp_tags(self, tags: Sequence[dict] | dict) -> VerlBatchMeta:
+        per_row = [tags] * len(self) if isinstance(tags, dict) else list(tags)
+        if len(per_row) != len(self):
+            raise ValueError(f"stamp_tags got {len(per_row)} tags for {len(self)} keys")
+        return self._rebuild(tags=[{**t, **new} for t, new in zip(self._kv.tags, per_row)])
+
+    def shard_for_dp(self, world: int) -> tuple[list[VerlBatchMeta], list[int]]:
+        """verl's `_balance_batch` then its dispatch: balanced partitions of the workloads
+        (`get_seqlen_balanced_partitions(equal_size=True)`), `KVBatchMeta.reorder`, then
+        `BatchData(meta).chunk(world)`; each shard is the `BatchMeta` one rank receives."""
+        import transfer_queue as tq
+        from transfer_queue import KVBatchMeta
+        from verl.protocol import BatchData
+        from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+        if world <= 0:
+            raise ValueError(f"world size must be positive, got {world}")
+        kv = self._kv
+        workloads = calculate_workload(torch.tensor(self.seq_lens, dtype=torch.int64))
+        partitions = get_seqlen_balanced_partitions(workloads.tolist(), k_partitions=world,
+                                                    equal_size=True)
+        order = [i for p in partitions for i in p]
+        pid = f"{_NAMESPACE}/{kv.partition_id}"
+        # the rollout write registered every key and tag in TransferQueue before the driver
+        # balanced the batch; do the same (a fresh registration, so no earlier tag lingers)
+        tq.kv_clear(keys=list(kv.keys), partition_id=pid)
+        tq.kv_batch_put(keys=list(kv.keys), partition_id=pid, fields=None, tags=kv.tags)
+        balanced = KVBatchMeta(keys=list(kv.keys), tags=kv.tags, partition_id=pid,
+                               fields=kv.fields, extra_info=kv.extra_info)
+        balanced.reorder(order)
+        client = tq.get_client()
+        shards = []
+        for rank_meta in BatchData(balanced).chunk(chunks=world):
+            keys = client.kv_retrieve_keys(global_indexes=list(rank_meta.global_indexes),
+                                           partition_id=pid)
+            view = KVBatchMeta(keys=keys, tags=rank_meta.get_all_custom_meta(),
+                               partition_id=kv.partition_id, fields=list(rank_meta.field_names),
+                               extra_info=rank_meta.extra_info)
+            shards.append(self._wrap(view, rank=rank_meta))
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        return shards, inverse
+
+
+# -- batch operations ------------------------------------------------------------------------------
+class VerlBatchOps:
+    """batch_ops on verl's DataProto: validate, pad, per-stage model inputs, the batch algebra
+    and dynamic micro-batching."""
+
+    name = "verl"
+
+    def __init__(self):
+        _verl()
+
+    def truncate(self, batch, max_len: int):
+        raise NotImplementedError(
+            "verl 0.9.1 has no batch truncation: torch_functional.postprocess_data truncates only "
+            "input_ids and attention_mask of a tokenizer output, and the no-padding path "
+            "(workers/utils/padding.py) never cuts a batch to a length")
+
+    def pad_to(self, batch, seq_len: int):
+        """`torch_functional.pad_sequence_to_length` (right, last dim: the sequence dim of every
+        registered per-token field) on each per-token tensor of the DataProto."""
+        from verl.utils.torch_functional import pad_sequence_to_length
+
+        from rlconform.reference_impl.registry import FIELDS, Kind
+
+        proto = to_proto(batch)
+        for name in batch.names(Kind.PER_TOKEN):
+            proto.batch[name] = pad_sequence_to_length(proto.batch[name], max_seq_len=seq_len,
+                                                       pad_token_id=FIELDS[name].pad_value,
+                                                       left_pad=False)
+        return from_proto(proto)
+
+    def validate(self, batch) -> None:
+        """verl's own checks: `DataProto.from_dict` (every tensor has the batch's dim 0) and
+        `check_consistency` (non-tensor columns have a row per sample)."""
+        to_proto(batch).check_consistency()
+
+    def multimodal_inputs(self, batch, stage, dtype: torch.dtype | None = None) -> dict:
+        """verl's engines build every stage's media inputs alike, in the model's dtype only
+        inside the model: `extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs",
+        []))`."""
+        from verl.utils.model import extract_multi_modal_inputs
+
+        return extract_multi_modal_inputs(_media_list(to_proto(batch)))
+
+    # batch_algebra
+    def select(self, batch, indices):
+        return from_proto(to_proto(batch).select_idxs(list(indices)))
+
+    def concat(self, batches):
+        from verl.protocol import DataProto
+
+        return from_proto(DataProto.concat([to_proto(b) for b in batches]))
+
+    def split(self, batch, sizes):
+        """Consecutive `DataProto` slices (`DataProto.split(n)` is the equal-size case)."""
+        sizes = [int(n) for n in sizes]
+        if any(n < 0 for n in sizes) or sum(sizes) != len(batch):
+            raise ValueError(f"split sizes {sizes} must be >= 0 and sum to {len(batch)}")
+        proto, out, start = to_proto(batch), [], 0
+        for n in sizes:
+            out.append(from_proto(proto[start:start + n]))
+            start += n
+        return out
+
+    # micro_batching
+    def micro_batches(self, batch, n: int, shuffle_seed: int | None = None):
+        """verl's dynamic micro-batching, `seqlen_balancing.prepare_dynamic_batch` (its
+        `rearrange_micro_batches` with `min_num_micro_batch=n` and a token budget that needs no
+        more): n micro-batches balanced by workload, each with the rows it holds. It has no
+        shuffle (verl shuffles mini-batches in `make_iterator`): `shuffle_seed` is ignored."""
+        from verl.utils.seqlen_balancing import prepare_dynamic_batch
+
+        if not 1 <= n <= max(len(batch), 1):
+            raise ValueError(f"micro-batch count n={n} must be in 1..{len(batch)}")
+        budget = max(int(batch.seq_lens.sum()), int(batch.seq_lens.max()), 1)
+        micro, index = prepare_dynamic_batch(to_proto(batch), max_token_len=budget,
+                                             min_num_micro_batch=n)
+        return [(list(idx), from_proto(mb)) for idx, mb in zip(index, micro)]
+
+
+# -- the backend ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def verl_session() -> Iterator[None]:
+    """Ray + a TransferQueue controller with one SimpleStorage unit (verl's TransferQueue path);
+    verl's own `tq.init()` calls then attach to it."""
+    _verl()
+    from rlconform.conformance.backends.transferqueue import simple_session
+
+    with simple_session():
+        yield
+
+
+def _codec(pixel_dtype=None):
+    return VerlCodec(pixel_dtype)
+
+
+def _meta():
+    _verl()
+    return VerlBatchMeta
+
+
+backend = Backend(
+    name="verl",
+    description="verl 0.9.1's data path: DataProto, the TransferQueue rollout write "
+    "(list_of_dict_to_tensordict), KVBatchMeta dispatch/collect, seqlen balancing, "
+    "extract_multi_modal_inputs",
+    codec=_codec,
+    meta=_meta,
+    batch_ops=VerlBatchOps,
+    capabilities=frozenset(CAPABILITIES),
+    session=verl_session,
+    notes=NOTES,
+    version=package_version("verl"),
+)

@@ -1,0 +1,116 @@
+"""The production model size: published widths per family, the option that selects it, and the
+mutants' numeric effect in the report. Building the models themselves needs a GPU (nightly);
+here the configs are checked on the meta device, which allocates nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlconform.fixtures.families import build_family
+from rlconform.fixtures.sizes import PRODUCTION_MODELS, has_size, model_size
+from rlconform.reports.html import render_html
+from rlconform.reports.markdown import render_markdown
+from rlconform.reports.model import validate_report
+from rlconform.reports.sample import example_report
+
+# family -> (text hidden size, layers, parameters in billions +- 10 %), as published
+PUBLISHED = {
+    "qwen2_vl": (1536, 28, 2.2),
+    "qwen2_5_vl": (2048, 36, 3.75),
+    "qwen3_vl": (2048, 28, 2.3),
+    "gemma3": (2560, 34, 4.3),
+    "smolvlm": (2048, 24, 2.25),
+    "text": (1536, 28, 1.54),
+}
+
+
+def _text_config(config):
+    return getattr(config, "text_config", config)
+
+
+@pytest.mark.parametrize("family", sorted(PRODUCTION_MODELS))
+def test_production_size_has_the_published_widths(family):
+    fam = build_family(family, "production")
+    hidden, layers, billions = PUBLISHED[family]
+    text = _text_config(fam.config)
+    assert (text.hidden_size, text.num_hidden_layers) == (hidden, layers)
+    with torch.device("meta"):
+        model = fam.model_class._from_config(fam.config, attn_implementation="eager",
+                                             dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(n - billions) <= 0.1 * billions, f"{family}: {n:.2f}B parameters"
+    tiny = build_family(family, "tiny")
+    assert _text_config(tiny.config).hidden_size == 64, "the tiny size changed"
+    assert fam.tokenizer.get_vocab() == tiny.tokenizer.get_vocab()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "smolvlm"])
+def test_production_processors_feed_the_production_vision_towers(family):
+    """The processor's image size and tokens per image match the production vision config."""
+    from rlconform.fixtures.images import make_prompts
+
+    fam = build_family(family, "production")
+    prompts, images, _ = make_prompts(2, [1, 2], seed=0)
+    feats = fam.process(prompts, images)
+    n_image_tokens = int((feats["input_ids"] == fam.image_token_id).sum())
+    if family == "gemma3":
+        assert list(feats["pixel_values"].shape[1:]) == [3, 896, 896]
+        assert n_image_tokens == 3 * 256
+    elif family == "smolvlm":
+        assert list(feats["pixel_values"].shape[-2:]) == [384, 384]
+        assert n_image_tokens % 81 == 0
+    else:
+        grid = feats["image_grid_thw"]
+        assert n_image_tokens == int(grid.prod(-1).sum()) // 4
+        assert int(grid.prod(-1).min()) >= 256, "production images give >= 64 tokens each"
+
+
+def test_families_without_a_production_size_refuse_it():
+    with pytest.raises(KeyError, match="no production size"):
+        build_family("llava", "production")
+    assert has_size("llava", "tiny") and not has_size("llava", "production")
+
+
+def test_model_size_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RLCONFORM_MODEL_SIZE", "production")
+    assert model_size() == "production"
+    monkeypatch.setenv("RLCONFORM_MODEL_SIZE", "huge")
+    with pytest.raises(ValueError, match="huge"):
+        model_size()
+
+
+def test_option_deselects_trainer_tests_of_families_without_the_size():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlconform.conformance.cli", "run", "--workers", "0",
+         "--model-size", "production", "--no-report", "--collect-only", "-q",
+         "--surfaces", "trainer,rollout"],
+        capture_output=True, text=True, timeout=600)
+    text = out.stdout
+    assert "deselected" in text, text[-2000:]
+    assert "llava_next" not in text and "idefics3" not in text, "7-8B families were collected"
+    assert "test_ratio_one_from_independent_recompute[gemma3]" in text
+
+
+def test_mutant_effects_render_in_the_report():
+    report = example_report()
+    report["mutant_effects"] = {
+        "device": "cuda", "dtype": "bfloat16", "model_size": "production",
+        "gates": {"probs_ratio": "|ratio - 1| > 0.2"},
+        "rows": [
+            {"family": "qwen2_vl", "mutant": "reference", "killed_by": [],
+             "probs_ratio": {"min": 1.0, "max": 1.0, "mean": 1.0},
+             "numeric_gate_catches": False},
+            {"family": "qwen2_vl", "mutant": "image_blind_train_fetch",
+             "killed_by": ["TRAIN-RATIO-ONE"],
+             "probs_ratio": {"min": 0.0, "max": 2661.0, "mean": 0.998},
+             "numeric_gate_catches": True},
+        ]}
+    validate_report(report)
+    md = render_markdown(report)
+    assert "Mutants' effect on the numeric metrics" in md and "| 2661 |" in md
+    html = render_html(report)
+    assert 'id="mutant-effects"' in html and "image_blind_train_fetch" in html

@@ -1,0 +1,198 @@
+"""The scoreboard (reports/scoreboard.py, `rlconform scoreboard`): every backend against every
+clause, from report.json files; statuses, waivers, versions, older reports, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rlconform.conformance.cli import main
+from rlconform.reports import scoreboard as sb
+from rlconform.reports.model import summarize_clauses
+from rlconform.reports.sample import example_report
+
+ROOT = Path(__file__).resolve().parents[1]
+XSS = "<script>alert('pwned')</script>"
+WAIVER = {"category": "unsupported", "reason": "no truncation | in this system",
+          "link": "https://example.invalid/issue/7", "expires": "2099-01-01", "expired": False}
+
+
+def report(backend: str, version: str | None = "Sys 1.0", **statuses) -> dict:
+    """example_report under another backend name, with clause statuses set (ID_WITH_UNDERSCORES
+    -> status, or (status, message, waiver))."""
+    r = example_report()
+    r["backend"] = r["backend_info"]["name"] = backend
+    if version is not None:
+        r["backend_info"]["version"] = version
+    by_id = {c["id"]: c for c in r["clauses"]}
+    for key, value in statuses.items():
+        status, message, waiver = value if isinstance(value, tuple) else (value, "boom", None)
+        c = by_id[key.replace("_", "-")]
+        c.update(status=status, message=message, waiver=waiver)
+    r["summary"] = summarize_clauses(r["clauses"])
+    return r
+
+
+def write(dirpath: Path, name: str, rep: dict) -> Path:
+    dirpath.mkdir(parents=True, exist_ok=True)
+    p = dirpath / name
+    p.write_text(json.dumps(rep), encoding="utf-8")
+    return p
+
+
+def row(md: str, clause_id: str) -> list[str]:
+    line = next(x for x in md.splitlines() if x.startswith(f"| {clause_id} |"))
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+def test_every_status_lands_in_its_backends_column(tmp_path):
+    a = report("alpha", DP_ROUNDTRIP="failed", DP_NO_ALIAS="error", DP_MERGE_PUT="skipped",
+               WIRE_ROUNDTRIP=("waived", "m", WAIVER),
+               DP_JAGGED_LAYOUT=("xpass", "", dict(WAIVER, category="backend-bug")))
+    b = report("beta", "Other 2.3")
+    write(tmp_path / "a", "report.json", a)
+    write(tmp_path / "b", "report.json", b)
+    board = sb.build(sb.load_entries([tmp_path]))
+    assert [e.backend for e in board.entries] == ["alpha", "beta"]
+    md = sb.render_markdown(board, tmp_path)
+    want = {"DP-ROUNDTRIP": "❌ failed", "DP-NO-ALIAS": "💥 error", "DP-MERGE-PUT": "⏭️ skipped",
+            "WIRE-ROUNDTRIP": "🟡 waived (unsupported)",
+            "DP-JAGGED-LAYOUT": "⚠️ unexpected pass (backend-bug)",
+            "DP-OBJECT-COLUMNS": "➖ not applicable", "TRAIN-RATIO-ONE": "✅ passed"}
+    for cid, label in want.items():
+        cells = row(md, cid)
+        assert cells[2].startswith(label), (cid, cells)
+        assert cells[3] in ("✅ passed", "➖ not applicable"), (cid, cells)
+    # the waiver's category is in the cell, its reason, link and expiry in the footnote
+    ref = re.search(r"\[\^(\d+)\]", row(md, "WIRE-ROUNDTRIP")[2]).group(1)
+    note = next(x for x in md.splitlines() if x.startswith(f"[^{ref}]:"))
+    assert "`alpha` WIRE-ROUNDTRIP: unsupported: no truncation \\| in this system" in note
+    assert "https://example.invalid/issue/7" in note and "expires 2099-01-01" in note
+    xp = re.search(r"\[\^(\d+)\]", row(md, "DP-JAGGED-LAYOUT")[2]).group(1)
+    assert "remove the waiver" in next(x for x in md.splitlines() if x.startswith(f"[^{xp}]:"))
+    fail = re.search(r"\[\^(\d+)\]", row(md, "DP-ROUNDTRIP")[2]).group(1)
+    assert next(x for x in md.splitlines() if x.startswith(f"[^{fail}]:")).endswith("boom")
+
+
+def test_versions_scores_and_provenance_head_each_column(tmp_path):
+    a = report("alpha", "Sys 1.0", DP_ROUNDTRIP="failed")
+    b = report("beta", None)  # an older report: no backend_info.version
+    write(tmp_path, "alpha-1.0.json", a)
+    write(tmp_path, "beta.json", b)
+    (tmp_path / "alpha-1.0.md").write_text("# alpha\n")
+    board = sb.build(sb.load_entries([tmp_path]))
+    md = sb.render_markdown(board, tmp_path)
+    lines = {x.split("|")[1].strip(): x for x in md.splitlines() if x.startswith("| `")}
+    assert "| Sys 1.0 |" in lines["`alpha`"] and "| — |" in lines["`beta`"]
+    assert f"| {a['summary']['score']:.1%} |" in lines["`alpha`"]
+    assert "1 failed" in lines["`alpha`"] and "profile ci" in lines["`alpha`"]
+    assert "[alpha-1.0.md](alpha-1.0.md)" in lines["`alpha`"], "links the Markdown beside the JSON"
+    assert "[beta.json](beta.json)" in lines["`beta`"]
+    page = sb.render_html(board, tmp_path)
+    assert "Sys 1.0" in page and f"{a['summary']['score']:.1%}" in page
+
+
+def test_a_clause_an_older_report_lacks_shows_as_absent(tmp_path):
+    new = report("new")
+    old = report("old")
+    old["clauses"] = [c for c in old["clauses"] if c["id"] != "WIRE-ROUNDTRIP"]
+    old["summary"] = summarize_clauses(old["clauses"])
+    board = sb.build(sb.load_entries([write(tmp_path, "n.json", new),
+                                      write(tmp_path, "o.json", old)]))
+    cells = row(sb.render_markdown(board), "WIRE-ROUNDTRIP")
+    assert cells[2] == "✅ passed" and cells[3] == "· absent"
+    assert "class='s absent'" in sb.render_html(board)
+
+
+def test_clause_rows_follow_the_catalogue_then_unknown_ids(tmp_path):
+    from rlconform.conformance.catalogue import CLAUSES
+
+    r = report("alpha")
+    ids = {c["id"] for c in r["clauses"]}
+    known = next(c for c in reversed(CLAUSES) if c.id not in ids)
+    r["clauses"].append(dict(r["clauses"][0], id=known.id, title="old words"))
+    r["summary"] = summarize_clauses(r["clauses"])
+    board = sb.build(sb.load_entries([write(tmp_path, "r.json", r)]))
+    order = [c.id for c in CLAUSES]
+    in_catalogue = [i for i in board.clause_ids if i in order]
+    assert board.clause_ids[:len(in_catalogue)] == sorted(in_catalogue, key=order.index), \
+        "catalogue clauses lead, in catalogue order"
+    rest = board.clause_ids[len(in_catalogue):]
+    assert rest and rest == sorted(rest) and not set(rest) & set(order)
+    assert board.titles[known.id] == known.must, "titles come from the current catalogue"
+
+
+def test_any_number_of_reports(tmp_path):
+    for i in range(7):
+        write(tmp_path / f"r{i}", "report.json", report(f"b{i}", f"v{i}"))
+    write(tmp_path / "ref", "report.json", report("reference"))
+    board = sb.build(sb.load_entries([tmp_path]))
+    assert [e.backend for e in board.entries] == ["reference"] + [f"b{i}" for i in range(7)], \
+        "the reference (the baseline) leads, then backends by name"
+    assert len(row(sb.render_markdown(board), "DP-ROUNDTRIP")) == 2 + 8
+
+
+def test_html_escapes_report_text():
+    r = report("alpha", XSS, DP_ROUNDTRIP=("failed", XSS, None))
+    page = sb.render_html(sb.build([sb.Entry(Path("r.json"), r)]))
+    assert XSS not in page and "&lt;script&gt;" in page
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["bad.json", "not JSON"]),
+    (json.dumps({"schema_version": "1.0"}), ["bad.json", "invalid report at $", "backend"]),
+    (json.dumps({"mutants": []}), ["bad.json", "invalid report"]),
+])
+def test_bad_input_is_named(tmp_path, content, words):
+    (tmp_path / "bad.json").write_text(content)
+    with pytest.raises(ValueError) as exc:
+        sb.load_entries([tmp_path])
+    for w in words:
+        assert w in str(exc.value), (w, str(exc.value))
+
+
+def test_missing_paths_and_duplicate_backends_are_named(tmp_path):
+    with pytest.raises(ValueError, match="nope: no such file"):
+        sb.load_entries([tmp_path / "nope"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: no report.json"):
+        sb.load_entries([tmp_path / "empty"])
+    a = write(tmp_path / "x", "report.json", report("alpha"))
+    b = write(tmp_path / "y", "report.json", report("alpha"))
+    with pytest.raises(ValueError, match="two reports of backend 'alpha' Sys 1.0") as exc:
+        sb.load_entries([a, b])
+    assert str(a) in str(exc.value) and str(b) in str(exc.value)
+    assert len(sb.load_entries([a, a])) == 1, "one file named twice is one report"
+
+
+def test_cli_writes_both_pages_and_exits_2_on_bad_input(tmp_path, capsys):
+    write(tmp_path / "in" / "alpha", "report.json", report("alpha"))
+    assert main(["scoreboard", str(tmp_path / "in"), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "scoreboard.md").read_text().startswith("# rlconform scoreboard")
+    assert (tmp_path / "out" / "scoreboard.html").read_text().startswith("<!doctype html>")
+    (tmp_path / "in" / "junk.json").write_text("[]")
+    assert main(["scoreboard", str(tmp_path / "in"), "--md", str(tmp_path / "x.md")]) == 2
+    assert "junk.json" in capsys.readouterr().err
+
+
+def test_committed_scoreboard_is_current():
+    """docs/scoreboard.md is generated from the committed reports in docs/backend-reports/."""
+    doc = ROOT / "docs" / "scoreboard.md"
+    board = sb.build(sb.load_entries([ROOT / "docs" / "backend-reports"]))
+    assert board.entries, "docs/backend-reports/ holds no report.json files"
+    assert doc.read_text(encoding="utf-8") == sb.render_markdown(board, doc.parent), (
+        "docs/scoreboard.md is stale: run `rlconform scoreboard docs/backend-reports "
+        "--md docs/scoreboard.md`")
+
+
+def test_mutant_reports_in_a_folder_are_left_out_unless_named(tmp_path):
+    write(tmp_path / "reference", "report.json", report("reference"))
+    m = report("mutant:densify_uniform_rows")
+    m["backend_info"]["source"] = "mutant:densify_uniform_rows"
+    path = write(tmp_path / "mutants" / "mutant_densify_uniform_rows", "report.json", m)
+    assert [e.backend for e in sb.load_entries([tmp_path])] == ["reference"]
+    assert sorted(e.backend for e in sb.load_entries([tmp_path, path])) == [
+        "mutant:densify_uniform_rows", "reference"]
