@@ -274,9 +274,12 @@ TRAINER_CLAUSES: list[Clause] = [
         "GEN-LOGPROB-AGREEMENT tolerance, step 1 included.",
         "trainer",
         B3 + "the data-plane trainer refit the generation engine at step 1 although weights "
-        "were in sync: token_mult_prob_error ~40 at step 1, settling by step 3",
-        ("refit_engine_at_step1",),
+        "were in sync: token_mult_prob_error ~40 at step 1, settling by step 3; an engine "
+        "whose refit never reaches the weights it samples with (or keeps KV computed with the "
+        "old ones) stays on the old policy",
+        ("refit_engine_at_step1", "refit_not_applied"),
         regime="as GEN-LOGPROB-AGREEMENT, at every one of 3 steps (lr 1e-2 moves the policy "
         "far beyond the tolerance in one step, so a stale engine cannot pass).",
+        also=("rollout",),
     ),
 ]

@@ -23,6 +23,13 @@ class Clause:
     capabilities: tuple[str, ...] = ()
     required: bool = True
     regime: str = ""
+    # further surfaces the clause judges: it applies where any of `surface` and these is
+    # provided (GEN-REFIT-SYNC: the trainer's weights and the engine's refit of them)
+    also: tuple[str, ...] = ()
+
+    @property
+    def surfaces(self) -> tuple[str, ...]:
+        return (self.surface, *self.also)
 
     @property
     def prefix(self) -> str:

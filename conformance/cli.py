@@ -16,9 +16,10 @@ def _cmd_run(a, extra) -> int:
     from rlconform.conformance import runner
 
     if a.backend == "all":
-        from rlconform.conformance.backends import BUNDLED
+        from rlconform.conformance.backends import BUNDLED, own_session
 
-        return runner.run_all(list(BUNDLED), extra, a.workers)
+        # a backend with its own environment (vllm: `nox -s vllm`) runs from its session
+        return runner.run_all([n for n in BUNDLED if not own_session(n)], extra, a.workers)
     return runner.run(a.backend, extra, a.workers)
 
 

@@ -40,7 +40,7 @@ def clause_table() -> str:
         caps = f" (needs {', '.join(c.capabilities)})" if c.capabilities else ""
         must = c.must + (f" *Regime:* {c.regime}" if c.regime else "")
         lines.append(
-            f"| `{c.id}` | {c.surface}{caps} | {_esc(must)} | {_esc(c.defect)} | "
+            f"| `{c.id}` | {' or '.join(c.surfaces)}{caps} | {_esc(must)} | {_esc(c.defect)} | "
             f"{'<br>'.join(f'`{t}`' for t in tests.get(c.id, [])) or '**none**'} | "
             f"{', '.join(f'`{m}`' for m in c.mutants)} |")
     return "\n".join(lines) + "\n"

@@ -60,11 +60,13 @@ OPTIONS: list[tuple[str, dict]] = [
                        help="capabilities the backend must declare (besides the profile's); "
                             "a missing one fails the run")),
     ("--device", dict(default="cpu", help="device for trainer clauses: cpu or cuda")),
-    ("--model-size", dict(default=None, choices=["tiny", "production"],
+    ("--model-size", dict(default=None, choices=["tiny", "production", "tiny-head32"],
                           help="trainer and rollout models: tiny (~2 layers, hidden 64; CPU CI) "
                                "or production (published widths of a real checkpoint per "
                                "family, random weights, built on the device; families without "
-                               "one are deselected) (default: $RLCONFORM_MODEL_SIZE or tiny)")),
+                               "one are deselected), or tiny-head32 (tiny with 32-wide attention heads, "
+                               "for engines without head_dim 16: vLLM on CPU) (default: "
+                               "$RLCONFORM_MODEL_SIZE or tiny)")),
     ("--dtype", dict(default="float32", choices=["float32", "bfloat16"],
                      help="policy dtype (pixel fields, trainer)")),
     ("--seed", dict(type=int, default=0, help="seed for models and fixtures")),
@@ -196,8 +198,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def applicability(backend: Backend, clause) -> str | None:
     """Why `clause` does not apply to `backend`, or None when it does."""
-    if not backend.provides(clause.surface):
-        return f"backend provides no {clause.surface!r} surface"
+    if not any(backend.provides(s) for s in clause.surfaces):
+        return f"backend provides no {' or '.join(repr(s) for s in clause.surfaces)} surface"
     lacking = [c for c in clause.capabilities if c not in backend.capabilities]
     if lacking:
         return f"backend does not declare {lacking}"
@@ -218,7 +220,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         kept, dropped = [], []
         for item in items:
             ids = [i for m in item.iter_markers("clause") for i in m.args]
-            on = any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in keep_surfaces
+            on = any(i in catalogue.BY_ID and set(catalogue.BY_ID[i].surfaces) & keep_surfaces
                      for i in ids)
             (kept if on else dropped).append(item)
         if dropped:
@@ -239,7 +241,10 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         if reasons:
             item.add_marker(pytest.mark.skip(reason=NA_PREFIX + "; ".join(sorted(set(reasons)))))
             continue
-        waived = [st.waivers[i] for i in ids if i in st.waivers and not st.waivers[i].expired]
+        callspec = getattr(item, "callspec", None)
+        family = callspec.params.get("family") if callspec else None
+        waived = [st.waivers[i] for i in ids if i in st.waivers and not st.waivers[i].expired
+                  and st.waivers[i].covers(family if isinstance(family, str) else None)]
         if waived:
             item.add_marker(pytest.mark.xfail(strict=False, reason="waived: " + "; ".join(
                 f"{w.clause} ({w.category}): {w.reason}" for w in waived)))

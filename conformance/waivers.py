@@ -5,6 +5,7 @@
     [[waiver]]
     clause = "DP-LAYOUT"
     category = "backend-bug"        # backend-bug | unsupported | future
+    families = ["llava"]            # optional: only the clause's tests on these model families
     reason = "returns 1-D columns as (N, 1)"
     link = "https://..."            # optional
     expires = 2027-03-01
@@ -36,14 +37,24 @@ class Waiver:
     reason: str
     expires: dt.date
     link: str | None = None
+    # the model families the waiver covers (the clause's tests parametrised by `family`);
+    # empty: every test of the clause
+    families: tuple[str, ...] = ()
 
     @property
     def expired(self) -> bool:
         return self.expires < dt.date.today()
 
+    def covers(self, family: str | None) -> bool:
+        """Whether a test of the clause run on `family` (None: not per family) is waived."""
+        return not self.families or family in self.families
+
     def to_json(self) -> dict:
-        return {"category": self.category, "reason": self.reason, "link": self.link,
-                "expires": self.expires.isoformat(), "expired": self.expired}
+        out = {"category": self.category, "reason": self.reason, "link": self.link,
+               "expires": self.expires.isoformat(), "expired": self.expired}
+        if self.families:
+            out["families"] = list(self.families)
+        return out
 
 
 def bundled_path(backend_name: str) -> Path | None:
@@ -88,7 +99,12 @@ def load_waivers(backend_name: str, path: str | Path | None, known: set[str]
         if clause in waivers:
             problems.append(f"{where} waives {clause} a second time")
             continue
-        w = Waiver(clause, category, str(entry["reason"]), expires, entry.get("link"))
+        families = entry.get("families", [])
+        if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
+            problems.append(f"{where} ({clause}) families must be a list of family names")
+            continue
+        w = Waiver(clause, category, str(entry["reason"]), expires, entry.get("link"),
+                   tuple(families))
         if w.expired:
             problems.append(f"waiver for {clause} expired on {expires.isoformat()}: "
                             f"fix the backend or renew the waiver ({w.reason})")

@@ -11,10 +11,18 @@ import pytest
 _SKIPPED: list[str] = []
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+def _record(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         _SKIPPED.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _record(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _record(report)  # a module that skips itself at import (allow_module_level=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

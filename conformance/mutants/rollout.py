@@ -60,3 +60,15 @@ def unrestricted_sampling():
     return _backend(_Unrestricted)
 
 
+
+
+class _RefitNotApplied(HFRollout):
+    def refit(self, state_dict):
+        pass  # the defect: the engine keeps sampling with the weights it started with
+
+
+@mutant("refit_not_applied", "the engine's refit never reached the weights it samples with "
+        "(loaded into a copy, or KV of the old weights kept): every step after the first "
+        "samples from the initial policy", "rollout")
+def refit_not_applied():
+    return _backend(_RefitNotApplied)
