@@ -111,7 +111,10 @@ def tests(session: nox.Session) -> None:
     _debian(session, tuple(DEBIAN))
     _install(session, "dev", "mooncake", "openrlhf")
     session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
-    ignore = ["--ignore", "tests/test_backends_verl.py"]
+    # run in their own environments: verl (tests_verl, notified below), vLLM (nox -s vllm)
+    ignore = ["--ignore", "tests/test_backends_verl.py", "--ignore", "tests/test_backends_vllm.py"]
+    session.log("tests/test_backends_vllm.py runs in `nox -s vllm` (vLLM pins its own torch and "
+                "transformers), tests/test_backends_verl.py in `nox -s tests_verl`")
     if not os.environ.get("NEMO_RL_SRC"):
         # NeMo-RL is not on the package registry: its adapter tests need a checkout. Said here
         # in one line rather than skipped, because under CI nothing may skip.
