@@ -20,7 +20,9 @@ def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") ->
             "--backend", backend, "-p", "no:cacheprovider", "-o", "addopts=",
             "-W", "ignore::UserWarning"]
     if workers and workers != "0":
-        args += ["-n", workers]
+        # loadgroup: like load, except tests of one xdist group share a worker (on a GPU the
+        # model-building tests form one group: plugin._one_device_group)
+        args += ["-n", workers, "--dist", "loadgroup"]
     return args + list(extra)
 
 
