@@ -27,11 +27,13 @@ VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
 def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = ()) -> None:
     target = f".[{','.join(extras)}]" if extras else "."
     torch = [] if SYSTEM_TORCH else ["torch==2.13.0"]
-    session.install(*CONSTRAINTS, *torch, target,  # one resolver run
+    # --no-compile: pip would byte-compile every module of torch and transformers (half the
+    # install time on 2 cores); Python compiles, and caches, just the modules that are imported
+    session.install("--no-compile", *CONSTRAINTS, *torch, target,  # one resolver run
                     *[r for r in backend_reqs if " " not in r])
     no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
     if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
-        session.install(*CONSTRAINTS, "--no-deps", *no_deps)
+        session.install("--no-compile", *CONSTRAINTS, "--no-deps", *no_deps)
 
 
 # What the tests need beyond Python and pip, as Debian packages: name -> (is it present?, what

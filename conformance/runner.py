@@ -54,6 +54,9 @@ def run_all(names: list[str], extra: list[str], workers: str | None) -> int:
 # the families' processors are loaded once per worker), longest mutants first.
 
 SURFACE_COST = {"trainer": 10, "rollout": 10}  # relative cost of a clause run, by surface
+# ... and by capability: a `multiprocess` clause starts rank processes (each imports torch and
+# transformers and builds a model): its mutants run first, beside the trainer ones
+CAPABILITY_COST = {"multiprocess": 30}
 
 
 def claims(names: list[str] | None = None) -> dict[str, list[str]]:
@@ -70,7 +73,11 @@ def _cost(clause_ids: list[str], previous: dict[str, float], name: str) -> float
         return previous[name]
     from rlconform.conformance import catalogue
 
-    return float(sum(SURFACE_COST.get(catalogue.BY_ID[c].surface, 1) for c in clause_ids) or 1)
+    def cost(clause) -> int:
+        return max([SURFACE_COST.get(clause.surface, 1),
+                    *(CAPABILITY_COST.get(cap, 1) for cap in clause.capabilities)])
+
+    return float(sum(cost(catalogue.BY_ID[c]) for c in clause_ids) or 1)
 
 
 class _MutantRun:
