@@ -289,3 +289,110 @@ def test_a_skip_fails_the_run_under_ci_only(tmp_path):
     assert ci.returncode == 1, ci.stdout
     assert "CI is set: 2 skipped tests fail the run" in ci.stdout
     assert "no Chromium here" in ci.stdout and "no checkout of the library" in ci.stdout
+
+
+# -- the data-plane bench: it runs, and it prints the ratios the targets read ---------------------
+@functools.cache
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rlconform_bench",
+                                                  ROOT / "bench" / "bench_dataplane.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SMALL = ["--allow-small", "--samples", "6", "--patches", "16", "--repeat", "1"]
+
+
+def test_bench_copies_give_the_codec_and_in_memory_targets(tmp_path, capsys):
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--only", "copies", *SMALL, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(t["target"], t["operation"]) for t in doc["targets"]] == [
+        ("codec", "encode+decode"), ("transport", "put+get")]
+    assert all(t["ratio_per_copy"] > 0 for t in doc["targets"])
+    assert doc["round_trip_failures"] == {}
+    text = capsys.readouterr().out
+    assert "ratio/copy" in text and "target codec" in text and "target transport" in text
+
+
+class _Events(list):
+    def wrap(self, obj, name: str, label: str):
+        fn = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            self.append(label)
+            return fn(*a, **kw)
+
+        setattr(obj, name, wrapped)
+
+
+def test_bench_times_the_library_while_the_adapter_transport_is_open(monkeypatch, capsys):
+    """`--backend NAME` for a bundled real transport: our adapter's put/get and the library's
+    own on the same columns, all before the adapter's transport is closed and its session
+    left; an overhead verdict for put and get each."""
+    import contextlib
+
+    import rlconform.conformance.backend as backend_mod
+
+    bench = _load_bench()
+    events = _Events()
+    real = backend_mod.load_backend("reference")
+
+    class Library:  # the "library": an in-memory data plane of its own
+        def __init__(self, wire):
+            self.dp, self.wire = InMemoryDataPlane(), wire
+
+        def put(self, keys):
+            events.append("library put")
+            self.dp.put("lib", keys, self.wire.columns, self.wire.tags)
+
+        def get(self, keys, fields):
+            events.append("library get")
+            return self.dp.get("lib", keys, fields)
+
+        def clear(self, keys):
+            self.dp.clear("lib")
+
+    def transport():
+        tr = InMemoryDataPlane()
+        events.wrap(tr, "put", "adapter put")
+        events.wrap(tr, "close", "adapter close")
+        return tr
+
+    @contextlib.contextmanager
+    def session():
+        events.append("session enter")
+        yield
+        events.append("session exit")
+
+    fake = backend_mod.Backend.from_reference("fake-real", transport=transport, session=session)
+    assert fake.provides("transport") and real.provides("transport")
+    monkeypatch.setattr(backend_mod, "load_backend", lambda name: fake)
+    monkeypatch.setitem(bench.LIBRARIES, "fake-real", Library)
+    assert bench.main(["--only", "copies", *SMALL, "--backend", "fake-real"]) == 0
+    assert events[0] == "session enter" and events[-2:] == ["adapter close", "session exit"]
+    assert events.count("adapter close") == 1
+    assert "library put" in events and "library get" in events
+    text = capsys.readouterr().out
+    for op in ("put", "get"):
+        for side in ("adapter", "library"):
+            assert f"{op} [fake-real, {side}]" in text
+        assert f"target adapter   {op} [fake-real]" in text
+
+
+@pytest.mark.slow
+def test_bench_grpo_step_compares_data_plane_and_in_memory(tmp_path, capsys):
+    bench = _load_bench()
+    out = tmp_path / "grpo.json"
+    assert bench.main(["--only", "grpo", "--device", "cpu", "--grpo-families", "qwen2_vl",
+                       "--grpo-rows", "4", "--grpo-repeat", "1", "--grpo-warmup", "0",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["grpo"]
+    assert row["bitwise_equal_weights"] and row["ratio"] > 0 and row["need"] == 1.0
+    assert {"transport put", "transport get", "codec encode"} <= set(
+        row["breakdown_s"]["data plane"])
+    assert "target grpo" in capsys.readouterr().out
