@@ -23,7 +23,16 @@ FILENAMES = {
 
 
 def _umask() -> int:
-    mask = os.umask(0)  # the only portable way to read it; restored at once
+    """The process umask. Linux reports it in /proc/self/status; elsewhere it is read by
+    setting it (os.umask has no getter), which for an instant leaves it 0 for other threads."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)  # restored at once
     os.umask(mask)
     return mask
 
