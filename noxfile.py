@@ -24,16 +24,26 @@ CONSTRAINTS = [] if SYSTEM_TORCH else ["-c", str(ROOT / "constraints" / "cpu.txt
 VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
 
 
-def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = ()) -> None:
+def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = (),
+             compile_imported: bool = False) -> None:
+    """Install rlconform (with `extras`) and a backend's requirements.
+
+    `compile_imported`: pip installs without byte-compiling (it would compile every module of
+    torch and transformers: half the install time on 2 cores), then one process imports what
+    the suite imports with bytecode writing on (runner.write_bytecode), so the processes that
+    follow load compiled modules, also where PYTHONDONTWRITEBYTECODE is set. For the sessions
+    whose imports that covers; the others let pip compile everything."""
     target = f".[{','.join(extras)}]" if extras else "."
     torch = [] if SYSTEM_TORCH else ["torch==2.13.0"]
-    # --no-compile: pip would byte-compile every module of torch and transformers (half the
-    # install time on 2 cores); Python compiles, and caches, just the modules that are imported
-    session.install("--no-compile", *CONSTRAINTS, *torch, target,  # one resolver run
+    no_compile = ["--no-compile"] if compile_imported else []
+    session.install(*no_compile, *CONSTRAINTS, *torch, target,  # one resolver run
                     *[r for r in backend_reqs if " " not in r])
     no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
     if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
-        session.install("--no-compile", *CONSTRAINTS, "--no-deps", *no_deps)
+        session.install(*no_compile, *CONSTRAINTS, "--no-deps", *no_deps)
+    if compile_imported:
+        session.run("python", "-c", "from rlconform.conformance.runner import write_bytecode; "
+                    "write_bytecode()", silent=True)
 
 
 # What the tests need beyond Python and pip, as Debian packages: name -> (is it present?, what
@@ -95,7 +105,7 @@ def conformance(session: nox.Session) -> None:
         session.error(f"backend {args[args.index('--backend') + 1]!r} runs in its own "
                       f"environment: `nox -s {own[0]}` builds it and runs the clauses")
     _debian(session, _debian_for(reqs))
-    _install(session, backend_reqs=reqs)
+    _install(session, backend_reqs=reqs, compile_imported=not reqs)
     if "--profile" not in args:
         args += ["--profile", "ci"]
     if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
@@ -139,7 +149,7 @@ def tests_verl(session: nox.Session) -> None:
 @nox.session(**VENV)
 def mutants(session: nox.Session) -> None:
     """Run every mutant against the clauses and write reports/out/mutants/kill_matrix.json."""
-    _install(session)
+    _install(session, compile_imported=True)
     session.run("rlconform", "mutants", *session.posargs)
 
 

@@ -165,6 +165,34 @@ def _warm_up() -> None:
     load_all()
 
 
+def write_bytecode() -> list[str]:
+    """Import what the suite's processes import (torch, transformers and every family's model
+    and processor modules, hypothesis, pytest, rlconform's own modules) with bytecode writing
+    on, so that every process started later loads compiled modules, also where
+    PYTHONDONTWRITEBYTECODE is set (it only stops writing). nox installs with `pip
+    --no-compile`, which would otherwise byte-compile all of torch and transformers. Returns
+    the modules that could not be imported (optional dependencies that are not installed)."""
+    import importlib
+    import pkgutil
+
+    sys.dont_write_bytecode = False
+    _warm_up()
+    import rlconform
+    from rlconform.fixtures.families import FAMILY_NAMES, build_family
+
+    missing = []
+    for mod in pkgutil.walk_packages(rlconform.__path__, "rlconform."):
+        if ".clauses" in mod.name or mod.name.endswith("__main__"):
+            continue  # clause modules are pytest's to import (it rewrites their asserts)
+        try:
+            importlib.import_module(mod.name)
+        except Exception:  # noqa: BLE001 - an optional dependency that is not installed
+            missing.append(mod.name)
+    for name in FAMILY_NAMES:
+        build_family(name)
+    return missing
+
+
 def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
     """Serve mutants from stdin (one JSON `{"name", "clauses"}` a line) until EOF, writing one
     JSON line per finished mutant to `results_fd`.

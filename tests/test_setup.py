@@ -206,6 +206,20 @@ def test_a_mutant_runs_against_claims_on_other_surfaces(tmp_path):
     assert not row["missed"], row
 
 
+@pytest.mark.slow
+def test_write_bytecode_writes_where_the_environment_says_not_to(tmp_path):
+    """nox installs the main job's packages without compiling them, then write_bytecode
+    compiles what the suite imports, also under PYTHONDONTWRITEBYTECODE (set on some boxes)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path))
+    code = "from rlconform.conformance.runner import write_bytecode; print(write_bytecode())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pyc")}
+    for module in ("torch/__init__", "transformers/models/qwen2_vl/modeling_qwen2_vl",
+                   "hypothesis/core", "conformance/plugin", "reference_impl/ranks"):
+        assert any(f"/{module}." in "/" + w for w in written), (module, len(written))
+
+
 # -- nox: Debian packages the tests need ----------------------------------------------------------
 class _Session:
     def __init__(self):
