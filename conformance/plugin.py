@@ -316,10 +316,10 @@ def _device_group(family) -> int:
 
 def _suffix_nodeid(item, group: str) -> None:
     """What an `xdist_group` marker does under --dist loadgroup: append "@group" to the test's
-    id, which the controller's scheduler reads. Done here because xdist 3.8 writes the suffix
-    to `item._nodeid`, while pytest 9.2 keeps the id in `item._id`, so the marker alone is
-    silently ignored there (measured on an H200: eight workers built production models at
-    once and ran out of memory)."""
+    id, which the controller's scheduler reads. Done here, in a tryfirst hook, for two reasons
+    seen with xdist 3.8: its hook read the markers before ours had added them (pytest 9.1.1 on
+    the H200: eight workers built production models at once and ran out of memory), and it
+    writes the suffix to `item._nodeid`, which pytest >= 9.2 no longer reads (`item._id`)."""
     new = f"{item.nodeid}@{group}"
     if hasattr(item, "_id"):  # pytest >= 9.2
         from _pytest.nodeid import coerce_node_id
