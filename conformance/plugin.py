@@ -227,6 +227,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept
     _deselect_sizeless_families(config, items)
+    _one_device_group(config, items)
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if not ids:
@@ -276,6 +277,23 @@ def _deselect_sizeless_families(config: pytest.Config, items) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [i for i in items if i not in dropped]
+
+
+DEVICE_GROUP = "rlconform-device"
+
+
+def _one_device_group(config: pytest.Config, items) -> None:
+    """On a GPU, tests that build models (trainer and rollout clauses) form one xdist group, so
+    under `--dist loadgroup` they run one after another on one worker while the data-plane
+    tests spread over the others: a production-width trainer (policy, frozen reference, AdamW
+    state) takes tens of GB, and two at once would not fit one GPU."""
+    if not config.getoption("--device").startswith("cuda"):
+        return
+    for item in items:
+        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        if any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
+               for i in ids):
+            item.add_marker(pytest.mark.xdist_group(DEVICE_GROUP))
 
 
 def _apply_replay(item, replay: str) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 CLAUSES_PACKAGE = "rlconform.conformance.clauses"
 
@@ -17,15 +20,15 @@ def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") ->
             "--backend", backend, "-p", "no:cacheprovider", "-o", "addopts=",
             "-W", "ignore::UserWarning"]
     if workers and workers != "0":
-        args += ["-n", workers]
+        # loadgroup: like load, except tests of one xdist group share a worker (on a GPU the
+        # model-building tests form one group: plugin._one_device_group)
+        args += ["-n", workers, "--dist", "loadgroup"]
     return args + list(extra)
 
 
 def run(backend: str = "reference", extra: list[str] | None = None,
         workers: str | None = "auto") -> int:
     """One pytest session in this process; returns its exit code."""
-    import pytest
-
     from rlconform.conformance.backend import load_backend
 
     b = load_backend(backend)
@@ -44,85 +47,315 @@ def run_all(names: list[str], extra: list[str], workers: str | None) -> int:
     return max(codes.values(), default=0)
 
 
-def _mutant_worker(names: list[str], report_dir: Path, extra: list[str]) -> None:
-    """Run mutants one after another in this process: torch and the clause modules are
-    imported once, not once per mutant."""
-    import pytest
+# -- the mutant kill matrix ------------------------------------------------------------------
+# Each mutant runs against exactly the clauses that claim to kill it (catalogue `mutants`),
+# whatever their surface; `full=True` runs it against every clause instead. Workers are
+# long-lived processes fed one mutant at a time (torch, transformers, the clause modules and
+# the families' processors are loaded once per worker), longest mutants first.
 
-    from rlconform.conformance.mutants import get_mutant
+SURFACE_COST = {"trainer": 10, "rollout": 10}  # relative cost of a clause run, by surface
+
+
+def claims(names: list[str] | None = None) -> dict[str, list[str]]:
+    """Mutant -> the clause IDs whose catalogue entry says they must kill it."""
+    from rlconform.conformance import catalogue
+    from rlconform.conformance.mutants import load_all
+
+    names = sorted(names or load_all())
+    return {n: [c.id for c in catalogue.CLAUSES if n in c.mutants] for n in names}
+
+
+def _cost(clause_ids: list[str], previous: dict[str, float], name: str) -> float:
+    if name in previous:
+        return previous[name]
+    from rlconform.conformance import catalogue
+
+    return float(sum(SURFACE_COST.get(catalogue.BY_ID[c].surface, 1) for c in clause_ids) or 1)
+
+
+class _MutantRun:
+    """pytest plugin for one mutant run inside a kill-matrix worker.
+
+    - keeps only the tests tied to `clause_ids` (None: every clause);
+    - once one test of a clause has failed, the clause has killed the mutant: its remaining
+      tests are skipped (a failed clause stays failed whatever they do);
+    - hypothesis neither shrinks nor explains a failing example (phases explicit, reuse,
+      generate, target): the kill is decided by the first failing example, and a minimal
+      example is of no use here. The examples tried are those of the chosen profile.
+    """
+
+    def __init__(self, clause_ids: list[str] | None):
+        self.clause_ids = None if clause_ids is None else set(clause_ids)
+        self.killed: set[str] = set()
+
+    @staticmethod
+    def _ids(item) -> list[str]:
+        return [i for m in item.iter_markers("clause") for i in m.args]
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_configure(self, config) -> None:
+        from hypothesis import Phase, settings
+
+        settings.register_profile("rlconform-mutant-run", parent=settings.default,
+                                  phases=[Phase.explicit, Phase.reuse, Phase.generate,
+                                          Phase.target])
+        settings.load_profile("rlconform-mutant-run")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session, config, items) -> None:
+        if self.clause_ids is None:
+            return
+        kept, dropped = [], []
+        for item in items:
+            (kept if set(self._ids(item)) & self.clause_ids else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item) -> None:
+        ids = set(self._ids(item))
+        if self.clause_ids is not None:
+            ids &= self.clause_ids
+        if ids and ids <= self.killed:
+            pytest.skip(f"kill matrix: {', '.join(sorted(ids))} already killed this mutant")
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.failed:
+            props = dict(report.user_properties)
+            self.killed.update(props.get("rlconform_clauses", ()))
+
+
+def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
+                    extra: list[str]) -> int | str:
+    try:
+        return int(pytest.main(pytest_args(f"mutant:{name}", [], None) + [
+            "--report-dir", str(report_dir / "mutants"), "-q", "--no-header",
+            "-p", "no:terminalreporter", "-p", HYPOTHESIS_PLUGIN, *extra],
+            plugins=[_MutantRun(clause_ids)]))
+    except BaseException as exc:  # noqa: BLE001 - one broken mutant must not stop the rest
+        return f"{type(exc).__name__}: {exc}"
+
+
+# Workers set PYTEST_DISABLE_PLUGIN_AUTOLOAD (scanning every installed distribution for pytest
+# entry points costs ~0.4 s a session) and load the one plugin a mutant run needs by name.
+HYPOTHESIS_PLUGIN = "_hypothesis_pytestplugin"
+
+
+def _warm_up() -> None:
+    """Import what every mutant run needs before the first pytest session. hypothesis is a
+    pytest plugin distribution, so pytest would otherwise assertion-rewrite each of its ~180
+    modules on import (seconds of CPU; nothing caches the result where bytecode writing is
+    off); torch and the catalogue are needed anyway. Clause test modules are imported by the
+    sessions and keep their assertion rewriting."""
+    import _hypothesis_pytestplugin  # noqa: F401
+    import hypothesis  # noqa: F401
+    import torch  # noqa: F401
+
+    import rlconform.conformance.plugin  # noqa: F401
+    from rlconform.conformance.mutants import load_all
+
+    load_all()
+
+
+def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
+    """Serve mutants from stdin (one JSON `{"name", "clauses"}` a line) until EOF, writing one
+    JSON line per finished mutant to `results_fd`.
+
+    After each mutant the surviving objects (imported modules, the families' processors) are
+    frozen out of the garbage collector: pytest collects garbage at the end of every session,
+    and a full collection over torch and transformers costs ~1 s per mutant on a small box."""
+    import gc
 
     log = report_dir / "mutants" / "worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        try:
-            surface = get_mutant(name).surface
-            code = pytest.main(pytest_args(f"mutant:{name}", [], None) + [
-                "--report-dir", str(report_dir / "mutants"), "--surfaces", surface,
-                "-q", "--no-header", "-p", "no:terminalreporter", *extra])
-        except BaseException as exc:  # noqa: BLE001 - one broken mutant must not stop the rest
-            code = f"{type(exc).__name__}: {exc}"
-        with log.open("a") as f:
-            f.write(f"{name}: {code}\n")
+    _warm_up()
+    gc.collect()
+    gc.freeze()
+    with os.fdopen(results_fd, "w", buffering=1) as results:
+        for line in sys.stdin:
+            job = json.loads(line)
+            t0 = time.time()
+            code = _run_one_mutant(job["name"], job["clauses"], report_dir, extra)
+            with log.open("a") as f:
+                f.write(f"{job['name']}: {code}\n")
+            results.write(json.dumps({"name": job["name"], "code": code,
+                                      "wall_s": round(time.time() - t0, 3)}) + "\n")
+            gc.collect()
+            gc.freeze()
 
 
 def _collect(name: str, report_dir: Path) -> dict:
     path = report_dir / "mutants" / f"mutant_{name}" / "report.json"
     if not path.is_file():
-        return {"name": name, "failed": [], "duration_s": 0.0, "error": "no report written"}
+        return {"name": name, "failed": [], "ran": [], "duration_s": 0.0,
+                "error": "no report written"}
     report = json.loads(path.read_text())
     failed = [c["id"] for c in report["clauses"] if c["status"] in ("failed", "error")]
-    return {"name": name, "failed": failed,
+    ran = [c["id"] for c in report["clauses"] if c["status"] != "not_applicable"]
+    return {"name": name, "failed": failed, "ran": ran,
             "duration_s": report["provenance"].get("duration_s", 0.0)}
 
 
-def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
-                only: list[str] | None = None, extra: list[str] | None = None) -> dict:
-    """Run every mutant in its own pytest process and record which clauses failed on it."""
-    from rlconform.conformance import catalogue
-    from rlconform.conformance.mutants import load_all
+class _Worker:
+    def __init__(self, report_dir: Path, extra: list[str], env: dict):
+        r, w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlconform.conformance.runner", "--report-dir",
+             str(report_dir), "--results-fd", str(w), *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(w,), env=env,
+            text=True)
+        os.close(w)
+        self.results = os.fdopen(r, "r")
+        self.job: str | None = None
 
-    mutants = load_all()
-    names = sorted(only or mutants)
+    def send(self, name: str, clause_ids: list[str] | None) -> None:
+        self.job = name
+        try:
+            self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker died: its results pipe reports EOF, and the mutant is recorded
+
+    def stop(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+        self.proc.wait()
+        self.results.close()
+
+
+def _previous_durations(report_dir: Path) -> dict[str, float]:
+    try:
+        old = json.loads((report_dir / "mutants" / "kill_matrix.json").read_text())
+        return {r["name"]: float(r.get("duration_s") or 0.0) for r in old["mutants"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
+                only: list[str] | None = None, extra: list[str] | None = None,
+                full: bool = False, on_result=None) -> dict:
+    """Run every mutant against the clauses that claim to kill it (every clause with `full`),
+    in `jobs` worker processes; write and return the kill matrix.
+
+    `on_result(row, done, total, elapsed_s)` is called as each mutant finishes."""
     report_dir = Path(report_dir)
-    jobs = jobs or max(1, (os.cpu_count() or 2))
+    extra = list(extra or [])
+    if "--profile" not in extra:
+        extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
+    jobs = max(1, jobs or os.cpu_count() or 2)
+    if only:
+        jobs = min(jobs, len(only))
     t0 = time.time()
     for stale in (report_dir / "mutants").glob("mutant_*/report.json"):
         stale.unlink()
-    chunks = [names[i::jobs] for i in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, "-m", "rlconform.conformance.runner",
-                               "--report-dir", str(report_dir), *(extra or []), "--", *chunk],
-                              stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONHASHSEED="0"))
-             for chunk in chunks if chunk]
-    for p in procs:
-        p.wait()
-    runs = [_collect(n, report_dir) for n in names]
-    expected = {n: [c.id for c in catalogue.CLAUSES if n in c.mutants] for n in names}
-    rows = []
-    for r in runs:
-        m = mutants[r["name"]]
-        killed = bool(set(r["failed"]) & set(expected[m.name]))
-        row = {"name": m.name, "defect": m.defect, "surface": m.surface,
-               "expected": expected[m.name], "failed": r["failed"], "killed": killed,
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # each worker gets its share of the cores (torch would otherwise spin one thread per core in
+    # every worker)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    # the workers start loading torch and the clause modules while this process reads the
+    # catalogue
+    workers = [_Worker(report_dir, extra, env) for _ in range(jobs)]
+    try:
+        return _drive(workers, report_dir, extra, env, only, full, on_result, t0)
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.stop()
+
+
+def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
+           on_result, t0: float) -> dict:
+    import selectors
+
+    from rlconform.conformance import catalogue
+    from rlconform.conformance.mutants import load_all
+    from rlconform.reports.write import write_text
+
+    mutants = load_all()
+    unknown = sorted(set(only or ()) - set(mutants))
+    if unknown:
+        raise LookupError(f"unknown mutants {unknown}; known: {', '.join(sorted(mutants))}")
+    expected = claims(list(only or mutants))
+    names = list(expected)
+    previous = _previous_durations(report_dir)
+    queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
+    rows: dict[str, dict] = {}
+
+    def finish(name: str, error: str | None) -> None:
+        r = _collect(name, report_dir)
+        m = mutants[name]
+        row = {"name": name, "defect": m.defect, "surface": m.surface,
+               "expected": expected[name], "ran": r["ran"], "failed": r["failed"],
+               "killed": bool(set(r["failed"]) & set(expected[name])),
+               "missed": [c for c in expected[name] if c not in r["failed"]],
                "duration_s": r["duration_s"]}
-        if "error" in r:
-            row["error"] = r["error"]
-        rows.append(row)
-    killers = {cid for r in rows for cid in r["failed"]}
+        if error or "error" in r:
+            row["error"] = error or r["error"]
+        rows[name] = row
+        if on_result is not None:
+            on_result(row, len(rows), len(names), time.time() - t0)
+
+    sel = selectors.DefaultSelector()
+
+    def feed(w: _Worker) -> None:
+        if queue:
+            n = queue.pop(0)
+            w.send(n, None if full else expected[n])
+        else:
+            w.job = None
+            sel.unregister(w.results)
+            w.stop()
+
+    for w in list(workers):
+        sel.register(w.results, selectors.EVENT_READ, w)
+        feed(w)
+    while len(rows) < len(names):
+        for key, _ in sel.select():
+            w = key.data
+            line = w.results.readline()
+            if line:
+                res = json.loads(line)
+                code = res["code"]
+                finish(res["name"], code if isinstance(code, str) else None)
+                feed(w)
+                continue
+            # the worker died: record its mutant, replace the worker
+            sel.unregister(w.results)
+            died = w.job
+            w.stop()
+            if died is not None:
+                finish(died, f"worker exited with {w.proc.returncode} during this mutant")
+            if queue:
+                w = _Worker(report_dir, extra, env)
+                workers.append(w)
+                sel.register(w.results, selectors.EVENT_READ, w)
+                feed(w)
+    ordered = [rows[n] for n in names]
+    killers = {cid for r in ordered for cid in r["failed"]}
     matrix = {
-        "mutants": rows,
+        "mutants": ordered,
+        "selection": "all clauses" if full else "claims: the clauses that name the mutant",
         "clauses_without_kill": [c.id for c in catalogue.CLAUSES if c.id not in killers],
+        "claims_not_killed": [{"mutant": r["name"], "clause": c} for r in ordered
+                              for c in r["missed"]],
         "duration_s": round(time.time() - t0, 2),
     }
     out = report_dir / "mutants"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kill_matrix.json").write_text(json.dumps(matrix, indent=2))
+    write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
     return matrix
 
 
-if __name__ == "__main__":  # the kill-matrix worker: runner.py --report-dir D [pytest args] -- m1 m2
+if __name__ == "__main__":  # a kill-matrix worker: runner.py --report-dir D --results-fd N [args]
     argv = sys.argv[1:]
-    sep = argv.index("--")
-    opts, mutant_names = argv[:sep], argv[sep + 1:]
-    out_dir = Path(opts[opts.index("--report-dir") + 1])
-    rest = [a for i, a in enumerate(opts) if a != "--report-dir" and opts[i - 1] != "--report-dir"]
-    _mutant_worker(mutant_names, out_dir, rest)
+
+    def _opt(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    out_dir, fd = Path(_opt("--report-dir")), int(_opt("--results-fd"))
+    rest = [a for i, a in enumerate(argv)
+            if a not in ("--report-dir", "--results-fd")
+            and (i == 0 or argv[i - 1] not in ("--report-dir", "--results-fd"))]
+    _mutant_worker(out_dir, rest, fd)

@@ -73,7 +73,7 @@ def _step(backend, family: str, settings, prompts, images, seed: int):
 
 
 def measure(families: list[str], mutants: list[str], device: str, dtype: torch.dtype,
-            seed: int = 0) -> dict:
+            seed: int = 0, on_row=None) -> dict:
     from rlconform.conformance import catalogue
     from rlconform.conformance.mutants import get_mutant, load_all
     from rlconform.fixtures.images import make_prompts
@@ -81,7 +81,13 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
 
     load_all()
     killers = {m: [c.id for c in catalogue.CLAUSES if m in c.mutants] for m in mutants}
-    rows = []
+    rows: list[dict] = []
+    result = {"device": device, "dtype": str(dtype).removeprefix("torch."),
+              "model_size": os.environ.get("RLCONFORM_MODEL_SIZE", "tiny"),
+              "gates": {"probs_ratio": f"|ratio - 1| > {RATIO_GATE}",
+                        "token_mult_prob_error": f"mean > {GEN_TMPE_TOL[dtype]:g}",
+                        "sampling_importance_ratio": f"|mean - 1| > {GEN_SIR_TOL:g}"},
+              "rows": rows}
     for family in families:
         settings = TrainerSettings(family, dtype=dtype, device=device, seed=seed)
         pattern = [0] if family == "text" else [1, 0, 2]
@@ -105,12 +111,9 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
             row["seconds"] = round(time.time() - t0, 2)
             rows.append(row)
             print(_line(row), flush=True)
-    return {"device": device, "dtype": str(dtype).removeprefix("torch."),
-            "model_size": os.environ.get("RLCONFORM_MODEL_SIZE", "tiny"),
-            "gates": {"probs_ratio": f"|ratio - 1| > {RATIO_GATE}",
-                      "token_mult_prob_error": f"mean > {GEN_TMPE_TOL[dtype]:g}",
-                      "sampling_importance_ratio": f"|mean - 1| > {GEN_SIR_TOL:g}"},
-            "rows": rows}
+            if on_row is not None:  # a long GPU run keeps what it measured if it is cut short
+                on_row(result)
+    return result
 
 
 def _caught(row: dict, dtype) -> bool | None:
@@ -172,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(SIZE_ENV) == "production":
         families = [f for f in families if f in PRODUCTION_MODELS]
     torch.set_grad_enabled(True)
-    result = measure(families, mutants, a.device, getattr(torch, a.dtype))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
+
+    def write(result: dict) -> None:
+        out.write_text(json.dumps(result, indent=2))
+        out.with_suffix(".md").write_text(markdown(result))
+
+    write(measure(families, mutants, a.device, getattr(torch, a.dtype), on_row=write))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 

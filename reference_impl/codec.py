@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import jagged_from_values
+from .dataplane import gather, jagged_from_values, jagged_rows, split_rows
 from .objects import ObjectColumn
 from .packed import PackedTensor
 from .registry import FAMILIES, FIELDS, DtypePolicy, Kind, spec
@@ -51,7 +51,7 @@ class WireBatch:
 
 def jagged(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
     """A jagged nested tensor from 1-D rows (zero-length rows allowed), one copy of the data."""
-    values = torch.cat(rows).to(dtype) if rows else torch.empty(0, dtype=dtype)
+    values = gather(rows, dtype).to(dtype)  # one copy, over the machine's cores
     return jagged_from_values(values, [r.shape[0] for r in rows])
 
 
@@ -143,7 +143,7 @@ class ReferenceCodec:
             if self.pixel_dtype is not None and fs is not None and not keep and \
                     fs.dtype_policy is DtypePolicy.POLICY and dtype.is_floating_point:
                 dtype = self.pixel_dtype
-            values = torch.cat(flat[key]).to(dtype) if flat[key] else torch.empty(0, dtype=dtype)
+            values = gather(flat[key], dtype).to(dtype)  # one copy, over the machine's cores
             columns[f"{name}{OBJECT_SEP}{key}"] = jagged_from_values(values, lengths[key])
         return columns
 
@@ -164,8 +164,8 @@ class ReferenceCodec:
                              "pack_dim": v.pack_dim}
             flat.extend(s.reshape(-1) for s in segs)
             lengths.append(sum(s.numel() for s in segs))
-        # one copy: every row's segments gathered (and cast) straight into the values
-        values = torch.cat(flat).to(dtype) if flat else torch.empty(0, dtype=dtype)
+        # one copy: every row's segments gathered into the values, over the machine's cores
+        values = gather(flat, dtype).to(dtype)
         return jagged_from_values(values, lengths)
 
     # -- decode -------------------------------------------------------------------------
@@ -230,7 +230,8 @@ class ReferenceCodec:
         if not col.is_nested:
             raise TypeError(f"packed column {name!r} arrived dense {list(col.shape)}; "
                             "it was written jagged")
-        rows = col.unbind()
+        # one copy of the whole column (the batch must not alias the wire); segments are views
+        _, rows = split_rows(name, col, len(tags))
         per_row: list = []
         pack_dim = spec(name).pack_dim
         for i, (flat, tag) in enumerate(zip(rows, tags)):
@@ -247,7 +248,7 @@ class ReferenceCodec:
             if sum(sizes) != flat.numel():
                 raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need {sum(sizes)} "
                                  f"values, the row has {flat.numel()}")
-            per_row.append([p.reshape(s).clone() for p, s in zip(flat.split(sizes), shapes)])
+            per_row.append([p.reshape(s) for p, s in zip(flat.split(sizes), shapes)])
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
     def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict],
@@ -259,7 +260,9 @@ class ReferenceCodec:
             if not col.is_nested:
                 raise TypeError(f"object column '{name}{OBJECT_SEP}{key}' arrived dense "
                                 f"{list(col.shape)}; it was written jagged")
-        unbound = {key: col.unbind() for key, col in cols.items()}
+        # one copy of each column (the batch must not alias the wire); tensors are views of it
+        unbound = {key: split_rows(f"{name}{OBJECT_SEP}{key}", col, len(tags))[1]
+                   for key, col in cols.items()}
         rows: list = []
         for i, tag in enumerate(tags):
             meta = self._tag(tag, name, i)
@@ -294,7 +297,7 @@ class ReferenceCodec:
                 if sum(sizes) != flat.numel():
                     raise ValueError(f"{where}: tag shapes {shapes} need {sum(sizes)} values, the "
                                      f"row has {flat.numel()}")
-                ts = [p.reshape(s).clone() for p, s in zip(flat.split(sizes), shapes)]
+                ts = [p.reshape(s) for p, s in zip(flat.split(sizes), shapes)]
                 row[key] = ts if is_list else ts[0]
             rows.append(row)
         return ObjectColumn(rows)
@@ -304,7 +307,7 @@ class ReferenceCodec:
         """Rows `(len_i, *other)` back to `[B, ..., S, ...]` with S on the registered seq dim."""
         if not col.is_nested:
             raise TypeError(f"per-token column {name!r} arrived dense; it was written jagged")
-        rows = col.unbind()
+        rows = jagged_rows(col)
         seq = max(lens) if lens else 0
         other = list(col.shape[2:])
         axis = spec(name).seq_axis(2 + len(other)) - 1

@@ -22,16 +22,32 @@ FILENAMES = {
 }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    # A reader (CI upload, a browser refresh) never sees a half-written file.
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; restored at once
+    os.umask(mask)
+    return mask
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically, with the mode an ordinary `open(path, "w")` would give
+    (0o666 less the umask: 0644 under umask 022), so a CI artifact server, a web server or a
+    colleague can read it.
+
+    A reader (CI upload, a browser refresh) never sees a half-written file: the text goes to a
+    temporary file in the same folder, which then replaces `path`. `mkstemp` creates that file
+    0600; its mode is set before the rename, so the file never appears with the wrong mode.
+    """
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
 
 
 def write_reports(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -52,6 +68,6 @@ def write_reports(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, P
     paths = {}
     for kind, text in texts.items():
         path = out / FILENAMES[kind]
-        _write_atomic(path, text)
+        write_text(path, text)
         paths[kind] = path
     return paths

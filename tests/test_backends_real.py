@@ -111,10 +111,12 @@ class Live:
 @pytest.fixture(scope="module", params=list(NEEDS))
 def live(request):
     for mod in NEEDS[request.param]:
-        if os.environ.get("CI"):  # CI installs every backend (nox -s tests): never skip there
+        try:
             importlib.import_module(mod)
-        else:
-            pytest.importorskip(mod, reason=f"{request.param} needs {mod}")
+        except ImportError as exc:  # not installed, or a system library missing (libibverbs)
+            if os.environ.get("CI"):  # CI installs every backend (nox -s tests): never skip
+                raise
+            pytest.skip(f"{request.param} needs {mod}: {str(exc).splitlines()[0]}")
     backend = load_backend(request.param)
     lv = Live(request.param, backend, _procs.descendants())
     t0 = time.monotonic()
@@ -303,57 +305,6 @@ def test_no_aliasing_either_way(tp):
     got["j"].values().fill_(-2)
     again, _ = tp.get(p, KEYS, ["d", "j"])
     assert_same(want, again)
-
-
-# -- throughput (opt-in: RLCONFORM_BENCH_MB=256) --------------------------------------------------
-def qwen_pixel_values(total_mb: int, seed: int = 0) -> torch.Tensor:
-    """Qwen2-VL wire-form pixel_values: one flat row of patches x 1176 fp32 values per sample."""
-    g = torch.Generator().manual_seed(seed)
-    per_patch = 1176 * 4
-    rows, budget = [], total_mb << 20
-    while budget > 0:
-        patches = int(torch.randint(600, 1100, (1,), generator=g))
-        rows.append(torch.randn(patches * 1176, generator=g))
-        budget -= patches * per_patch
-    return nt(rows)
-
-
-@pytest.mark.skipif("RLCONFORM_BENCH_MB" not in os.environ, reason="set RLCONFORM_BENCH_MB")
-def test_throughput_jagged_pixel_values(live):
-    """put/get of ~N MiB of jagged pixel_values against torch.clone of the same bytes.
-
-    Best of RLCONFORM_BENCH_REPS (5) runs, clone measured in the same loop, because on a
-    shared 2-core box single runs swing by 3x (first-touch page faults, other processes).
-    """
-    import statistics
-
-    mb, reps = int(os.environ["RLCONFORM_BENCH_MB"]), int(os.environ.get("RLCONFORM_BENCH_REPS", 5))
-    pv = qwen_pixel_values(mb)
-    keys = [f"s{i}" for i in range(pv.size(0))]
-    t = live.transport()
-    nbytes = pv.values().numel() * pv.values().element_size()
-    runs: dict[str, list[float]] = {"put": [], "get": [], "clone": []}
-    for _rep in range(reps):
-        p = part()
-        t0 = time.perf_counter()
-        t.put(p, keys, {"pixel_values": pv})
-        t1 = time.perf_counter()
-        got, _ = t.get(p, keys, ["pixel_values"])
-        t2 = time.perf_counter()
-        pv.values().clone()
-        t3 = time.perf_counter()
-        assert same(pv, got["pixel_values"])
-        del got
-        t.clear(p)
-        for k, v in (("put", t1 - t0), ("get", t2 - t1), ("clone", t3 - t2)):
-            runs[k].append(v)
-    best = {k: min(v) for k, v in runs.items()}
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"\n{live.name}: {nbytes / 2**20:.0f} MiB in {len(keys)} rows, best (median) of {reps}: "
-          + ", ".join(f"{k} {best[k] * 1e3:.0f} ({med[k] * 1e3:.0f}) ms "
-                      f"{nbytes / best[k] / 2**30:.2f} GiB/s" for k in runs)
-          + f"; best put/clone {best['put'] / best['clone']:.2f}x, "
-          f"get/clone {best['get'] / best['clone']:.2f}x")
 
 
 # -- failure, then cleanup (runs last for each backend) ----------------------------------------

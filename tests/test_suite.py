@@ -81,6 +81,8 @@ def test_kill_matrix(tmp_path):
     assert not survivors, f"mutants not killed by a clause that names them: {survivors}"
     assert not m["clauses_without_kill"], \
         f"clauses that kill no mutant: {m['clauses_without_kill']}"
+    assert not m["claims_not_killed"], \
+        f"clauses that name a mutant but do not kill it: {m['claims_not_killed']}"
     assert (tmp_path / "mutants" / "kill_matrix.json").is_file()
 
 
