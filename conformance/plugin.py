@@ -206,6 +206,7 @@ def applicability(backend: Backend, clause) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers we add
 def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None:
     st = _state(config)
     replay = config.getoption("--replay")
@@ -283,17 +284,49 @@ DEVICE_GROUP = "rlconform-device"
 
 
 def _one_device_group(config: pytest.Config, items) -> None:
-    """On a GPU, tests that build models (trainer and rollout clauses) form one xdist group, so
-    under `--dist loadgroup` they run one after another on one worker while the data-plane
-    tests spread over the others: a production-width trainer (policy, frozen reference, AdamW
-    state) takes tens of GB, and two at once would not fit one GPU."""
-    if not config.getoption("--device").startswith("cuda"):
+    """On a GPU, tests that build models (trainer and rollout clauses) form DEVICE_GROUPS xdist
+    groups by family, so under `--dist loadgroup` at most that many run at once while the
+    data-plane tests spread over the other workers: a production-width trainer (policy, frozen
+    reference, AdamW state, activations) peaks at 45-52 GiB (measured on an H200: Gemma3-4B,
+    SmolVLM), so two fit one 139 GiB GPU and eight did not. The two largest families sit in
+    different groups."""
+    if not config.getoption("--device").startswith("cuda") or \
+            not getattr(config.option, "loadgroup", False):  # set in xdist workers
         return
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
                for i in ids):
-            item.add_marker(pytest.mark.xdist_group(DEVICE_GROUP))
+            callspec = getattr(item, "callspec", None)
+            family = callspec.params.get("family") if callspec else None
+            _suffix_nodeid(item, f"{DEVICE_GROUP}-{_device_group(family)}")
+
+
+DEVICE_GROUPS = 2
+_GROUP_ORDER = ("qwen2_vl", "qwen2_5_vl", "gemma3", "qwen3_vl", "text", "smolvlm")
+
+
+def _device_group(family) -> int:
+    if not isinstance(family, str):
+        return 0
+    if family in _GROUP_ORDER:
+        return _GROUP_ORDER.index(family) % DEVICE_GROUPS
+    return sum(map(ord, family)) % DEVICE_GROUPS
+
+
+def _suffix_nodeid(item, group: str) -> None:
+    """What an `xdist_group` marker does under --dist loadgroup: append "@group" to the test's
+    id, which the controller's scheduler reads. Done here, in a tryfirst hook, for two reasons
+    seen with xdist 3.8: its hook read the markers before ours had added them (pytest 9.1.1 on
+    the H200: eight workers built production models at once and ran out of memory), and it
+    writes the suffix to `item._nodeid`, which pytest >= 9.2 no longer reads (`item._id`)."""
+    new = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):  # pytest >= 9.2
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(new)
+    else:
+        item._nodeid = new
 
 
 def _apply_replay(item, replay: str) -> None:
@@ -436,8 +469,10 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
     props = dict(report.user_properties)
     if CLAUSE_PROP not in props:
         return
-    r = st.results.setdefault(report.nodeid, {
-        "nodeid": report.nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
+    # under --dist loadgroup xdist appends "@<group>" to a grouped test's id
+    nodeid = report.nodeid.split("@" + DEVICE_GROUP)[0]
+    r = st.results.setdefault(nodeid, {
+        "nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
         "clauses": props[CLAUSE_PROP], "metrics": [], "hypothesis": None, "waived": False,
     })
     r["duration_s"] += report.duration

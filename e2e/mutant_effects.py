@@ -18,6 +18,7 @@ into the reference backend's report when it finds it there, as it does the kill 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -67,9 +68,15 @@ def _step(backend, family: str, settings, prompts, images, seed: int):
     finally:
         transport.close()
         del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return out.metrics
+
+
+def _free() -> None:
+    """Give back what the last step held: a crashed step's traceback keeps the trainer in a
+    reference cycle, so collect before emptying CUDA's cache (production models are 5-9 GB)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def measure(families: list[str], mutants: list[str], device: str, dtype: torch.dtype,
@@ -98,6 +105,8 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
             t0 = time.time()
             row: dict = {"family": family, "mutant": name,
                          "killed_by": [] if name == "reference" else killers[name]}
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
             try:
                 backend = "reference" if name == "reference" else get_mutant(name).backend()
                 metrics = _step(backend, family, settings, prompts, images, seed)
@@ -107,6 +116,10 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
             except Exception as exc:  # noqa: BLE001 - a mutant that crashes the step is a row
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 traceback.print_exc(limit=2)
+            finally:
+                if device.startswith("cuda"):
+                    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+                _free()
             row["numeric_gate_catches"] = _caught(row, dtype)
             row["seconds"] = round(time.time() - t0, 2)
             rows.append(row)
@@ -137,7 +150,8 @@ def _line(row: dict) -> str:
     f = lambda d, k: "—" if k not in d else f"{d[k]:.6g}"  # noqa: E731
     tail = row.get("error") or (f"ratio [{f(r, 'min')}, {f(r, 'max')}] mean {f(r, 'mean')}; "
                                 f"tmpe mean {f(e, 'mean')} max {f(e, 'max')}")
-    return f"{row['family']:>10} {row['mutant']:36} {tail} ({row['seconds']} s)"
+    peak = f", peak {row['peak_gib']} GiB" if "peak_gib" in row else ""
+    return f"{row['family']:>10} {row['mutant']:36} {tail} ({row['seconds']} s{peak})"
 
 
 def markdown(result: dict) -> str:

@@ -148,7 +148,7 @@ def is_flat(metric: Mapping[str, Any]) -> bool:
 
 
 EFFECT_HEADER = ["Family", "Mutant", "probs_ratio min", "max", "mean", "tmpe mean", "tmpe max",
-                 "SIR mean", "Numeric gate alone", "Killed by (exact clauses)"]
+                 "SIR mean", "Peak GiB", "Numeric gate alone", "Killed by (exact clauses)"]
 
 
 def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
@@ -169,7 +169,7 @@ def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
             verdict = "crash: " + first_line(r["error"], 80)
         rows.append([r["family"], r["mutant"], num(ratio, "min"), num(ratio, "max"),
                      num(ratio, "mean"), num(tmpe, "mean"), num(tmpe, "max"), num(sir, "mean"),
-                     verdict, ", ".join(r.get("killed_by") or []) or "—"])
+                     num(r, "peak_gib"), verdict, ", ".join(r.get("killed_by") or []) or "—"])
     return rows
 
 

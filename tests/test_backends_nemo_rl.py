@@ -42,7 +42,8 @@ def test_backend_loads_and_declares_only_what_it_wraps(nr):
     b = load_backend("nemo-rl")
     assert b.surfaces == ("transport", "codec", "meta", "batch_ops")
     assert "NeMo-RL" in b.description
-    for left_out in ("trainer", "rollout", "object_columns", "media_dedup", "dim1_packing"):
+    for left_out in ("trainer", "rollout", "object_columns", "media_dedup", "dim1_packing",
+                     "batch_algebra", "micro_batching", "multiprocess"):
         assert left_out in b.notes, f"no note says why {left_out} is not declared"
 
 
@@ -96,6 +97,20 @@ def test_batch_round_trips_through_batched_data_dict(nr):
     assert isinstance(data, nr.BatchedDataDict)
     back = adapter.from_bdd(data, batch.family)
     assert back == batch
+
+
+@pytest.mark.parametrize("form", ["multi_modal_inputs", "mm_train_inputs"])
+def test_object_columns_map_to_object_arrays(nr, form):
+    """A per-row object column is NeMo-RL's np.ndarray(dtype=object), one dict (or None) a row."""
+    import numpy as np
+
+    batch = build_batch("qwen2_vl", default_plan("qwen2_vl"), media_form=form)
+    data = adapter.to_bdd(batch)
+    col = data[form]
+    assert isinstance(col, np.ndarray) and col.dtype == object and col.shape == (len(batch),)
+    assert adapter.from_bdd(data, batch.family) == batch
+    with pytest.raises(ValueError, match=form):
+        adapter.from_bdd({form: np.empty((2, 2), dtype=object)}, None)
 
 
 def test_transport_returns_what_noop_client_returns(nr):
@@ -167,8 +182,9 @@ def test_dp_shards_keep_tags(nr):
 
 def test_batch_ops_call_nemo_rl(nr):
     ops = adapter.NemoRLBatchOps()
+    # no M-RoPE position_ids: truncate_tensors narrows their channel dim (BATCH-TRUNCATE's waiver)
     batch = build_batch("qwen2_vl", [RowPlan(3, images=[1]), RowPlan(5), RowPlan(4, images=[2])],
-                        extra_seq=2)
+                        extra_seq=2, position_ids=None)
     out = ops.truncate(batch, batch.seq_len() - 1)  # truncate_tensors(dim=1)
     assert out["input_ids"].shape[1] == batch.seq_len() - 1
     assert out["pixel_values"] == batch["pixel_values"]  # a PackedTensor is not a tensor

@@ -95,6 +95,36 @@ def test_option_deselects_trainer_tests_of_families_without_the_size():
     assert "test_ratio_one_from_independent_recompute[gemma3]" in text
 
 
+def test_on_cuda_the_model_tests_share_one_xdist_group():
+    """Under --dist loadgroup on CUDA, trainer/rollout tests carry the group suffix xdist's
+    scheduler reads, data-plane tests do not (xdist's own marker handling is a no-op on
+    pytest 9.2). Collection only: no GPU needed."""
+    from rlconform.conformance.plugin import DEVICE_GROUP
+    from rlconform.conformance.runner import pytest_args
+
+    ids: list[str] = []
+
+    class AsAWorker:
+        def pytest_configure(self, config):
+            config.option.loadgroup = True  # what xdist sets in each worker
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_modifyitems(self, items):
+            ids.extend(i.nodeid for i in items)
+
+    pytest.main(pytest_args("reference", ["--device", "cuda", "--no-report", "--co", "-q",
+                                          "-k", "ratio_one_from or one_row_roundtrip"], None),
+                plugins=[AsAWorker()])
+    grouped = [i for i in ids if "@" + DEVICE_GROUP in i]
+    assert any("test_ratio_one_from_independent_recompute" in i for i in grouped), ids
+    assert not any("test_codec" in i for i in grouped), grouped
+    assert any("test_codec" in i for i in ids), ids
+    groups = {i.rsplit("@", 1)[1] for i in grouped}
+    assert len(groups) == 2, groups  # two production trainers fit one GPU at once
+    assert [i for i in grouped if "[gemma3]" in i][0].rsplit("@")[1] != \
+        [i for i in grouped if "[smolvlm]" in i][0].rsplit("@")[1], "largest two share a group"
+
+
 def test_mutant_effects_render_in_the_report():
     report = example_report()
     report["mutant_effects"] = {

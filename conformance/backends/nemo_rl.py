@@ -175,12 +175,18 @@ def from_nemo_packed(npt, pack_dim: int):
 
 def to_bdd(batch, extra: dict | None = None):
     """An rlconform Batch as NeMo-RL's in-memory BatchedDataDict."""
+    import numpy as np
+
+    from rlconform.reference_impl.objects import ObjectColumn
     from rlconform.reference_impl.packed import PackedTensor
 
     out = {}
     for name, v in batch.fields.items():
         if isinstance(v, PackedTensor):
             out[name] = to_nemo_packed(v, v.pack_dim)
+        elif isinstance(v, ObjectColumn):  # NeMo-RL's per-row object column: ndarray(object)
+            out[name] = np.empty(len(v.rows), dtype=object)
+            out[name][:] = list(v.rows)
         else:
             out[name] = v
     out.update(extra or {})
@@ -191,9 +197,11 @@ def from_bdd(data, family: str | None, pack_dims: dict[str, int] | None = None,
              drop: Sequence[str] = ()):
     """What NeMo-RL returned, as an rlconform Batch: NeMo-RL PackedTensors become rlconform
     ones; tensors are kept as they came back; anything else is an error naming the field."""
+    import numpy as np
     import torch
 
     from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
 
     NPT = nemo().PackedTensor
     fields = {}
@@ -205,9 +213,14 @@ def from_bdd(data, family: str | None, pack_dims: dict[str, int] | None = None,
             fields[name] = from_nemo_packed(v, pd)
         elif isinstance(v, torch.Tensor):
             fields[name] = v
+        elif isinstance(v, np.ndarray) and v.dtype == object:
+            if v.ndim != 1:
+                raise ValueError(f"NeMo-RL returned object column {name!r} with shape "
+                                 f"{tuple(v.shape)}; a per-row column is 1-D")
+            fields[name] = ObjectColumn(list(v))
         else:
-            raise TypeError(f"NeMo-RL returned field {name!r} as {type(v).__name__}, not a tensor "
-                            "or PackedTensor")
+            raise TypeError(f"NeMo-RL returned field {name!r} as {type(v).__name__}, not a tensor, "
+                            "PackedTensor or object array")
     return Batch(fields, family)
 
 
@@ -481,6 +494,14 @@ NOTES = {
     "dim1_packing": "NeMo-RL packs SmolVLM tiles with dim_to_pack=1 in memory; its data plane "
                     "carries no PackedTensor at this version (as media_dedup)",
     "cuda": "the adapter runs NeMo-RL's CPU data-path functions only",
+    "batch_algebra": "not wrapped yet: BatchedDataDict.select_indices / from_batches / slice "
+                     "are NeMo-RL's select / concat / split (a later adapter version)",
+    "micro_batching": "BatchedDataDict.make_microbatch_iterator takes a micro-batch size that "
+                      "must divide the batch (an assert), not a count of near-equal parts, and "
+                      "does not shuffle; the dynamic-shape and packing iterators need the "
+                      "policy's token budgets",
+    "multiprocess": "NoOpDataPlaneClient is a dict inside one process: rank processes cannot "
+                    "reopen it by an address; NeMo-RL's TransferQueue client is not wrapped",
 }
 
 

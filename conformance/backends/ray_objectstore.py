@@ -333,5 +333,8 @@ backend = Backend(
     capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
                             "dim1_packing", "multiprocess"}),
     session=session,
+    notes={s: "a transport over Ray's object store: the codec, meta, batch ops, trainer and "
+              "rollout around it are the training framework's" for s in
+           ("codec", "meta", "batch_ops", "trainer", "rollout")},
     version=package_version("ray", "Ray"),
 )

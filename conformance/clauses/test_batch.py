@@ -132,9 +132,9 @@ def test_stages_get_the_same_multimodal_fields(batch_ops, family, form):
 
 
 # -- sequence dims: position_ids [B, S], [B, 3, S] (M-RoPE), [B, 4, S] (verl Qwen-VL) -----------
-@pytest.mark.clause("BATCH-TRUNCATE", "BATCH-PAD")
+@pytest.mark.clause("BATCH-TRUNCATE")
 @pytest.mark.parametrize("channels", [0, 3, 4])
-def test_multi_dim_per_token_fields_on_their_sequence_dim(batch_ops, channels):
+def test_truncate_multi_dim_per_token_fields_on_their_sequence_dim(batch_ops, channels):
     batch = build_batch("qwen3_vl", default_plan("qwen3_vl"), position_ids=channels, extra_seq=2)
     s = batch.seq_len()
     for cut in (1, 3, s):
@@ -143,6 +143,13 @@ def test_multi_dim_per_token_fields_on_their_sequence_dim(batch_ops, channels):
         assert got.shape == want.shape and torch.equal(got, want), \
             f"truncate({cut}) of position_ids {list(batch['position_ids'].shape)} gave " \
             f"{list(got.shape)}, expected {list(want.shape)} (cut on the last dim)"
+
+
+@pytest.mark.clause("BATCH-PAD")
+@pytest.mark.parametrize("channels", [0, 3, 4])
+def test_pad_multi_dim_per_token_fields_on_their_sequence_dim(batch_ops, channels):
+    batch = build_batch("qwen3_vl", default_plan("qwen3_vl"), position_ids=channels, extra_seq=2)
+    s = batch.seq_len()
     out = batch_ops.pad_to(batch, s + 4)
     got = out["position_ids"]
     assert _seq_size("position_ids", got) == s + 4 and got.dim() == batch["position_ids"].dim(), \
