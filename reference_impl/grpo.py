@@ -83,6 +83,21 @@ def write_rollout(batch: Batch, transport, codec, meta_cls, partition: str,
                     wire.tags)
 
 
+def put_advantages(batch: Batch, adv: Tensor, transport, codec, meta, partition: str,
+                   keys: list[str]):
+    """The driver's write after the rollout: the advantages column under the step's keys;
+    returns the meta that lists it."""
+    col = codec.encode(Batch({"input_lengths": batch.seq_lens, "advantages": adv}))
+    transport.put(partition, keys, {"advantages": col.columns["advantages"]})
+    return meta.with_fields("advantages")
+
+
+def shard_rows(keys: list[str], shards) -> list[list[int]]:
+    """Each shard's rows as positions in the step's batch."""
+    index = {k: i for i, k in enumerate(keys)}
+    return [[index[k] for k in s.keys] for s in shards]
+
+
 def dataplane_step(batch: Batch, trainer, transport, codec, meta_cls=BatchMeta,
                    partition: str = "step0", *, rewards=None, advantages=None,
                    group_size: int = 1, world: int = 1, uid: str = "uid",
@@ -91,9 +106,7 @@ def dataplane_step(batch: Batch, trainer, transport, codec, meta_cls=BatchMeta,
     meta = write_rollout(batch, transport, codec, meta_cls, partition, keys)
     adv = _advantages(batch, rewards, advantages, group_size)
     try:
-        col = codec.encode(Batch({"input_lengths": batch.seq_lens, "advantages": adv}))
-        transport.put(partition, keys, {"advantages": col.columns["advantages"]})
-        meta = meta.with_fields("advantages")
+        meta = put_advantages(batch, adv, transport, codec, meta, partition, keys)
         shards, _ = meta.shard_for_dp(world)
         ready = []
         for shard in shards:
@@ -106,9 +119,7 @@ def dataplane_step(batch: Batch, trainer, transport, codec, meta_cls=BatchMeta,
     finally:
         if clear:
             transport.clear(partition, keys)
-    index = {k: i for i, k in enumerate(keys)}
-    rows = [[index[k] for k in s.keys] for s in shards]
-    return StepOutcome.of(result, trainer, adv, rows, keys=keys)
+    return StepOutcome.of(result, trainer, adv, shard_rows(keys, shards), keys=keys)
 
 
 def legacy_step(batch: Batch, trainer, *, rewards=None, advantages=None, group_size: int = 1,

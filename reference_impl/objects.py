@@ -115,6 +115,17 @@ class ObjectColumn:
             check_row(i, r)
         self.rows: list[Row] = [_copy_row(r) for r in rows]
 
+    @classmethod
+    def adopt(cls, rows: Sequence[Row], name: str = "object column") -> ObjectColumn:
+        """A column over `rows` as they are, checked but not copied: for an adapter that shows
+        a framework's own row objects to the clauses (identity and aliasing stay observable)."""
+        rows = list(rows)
+        for i, r in enumerate(rows):
+            check_row(i, r, name)
+        col = cls.__new__(cls)
+        col.rows = rows
+        return col
+
     # -- views ------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.rows)

@@ -543,8 +543,14 @@ def dataplane_step_ranks(batch, group, transport, codec, meta_cls=None, partitio
     Returns a `grpo.StepOutcome` whose `extra` holds the `RankStep` ("ranks") and the shard
     metas as minted ("shard_metas").
     """
-    from .batch import Batch
-    from .grpo import StepOutcome, _advantages, mint_keys, write_rollout
+    from .grpo import (
+        StepOutcome,
+        _advantages,
+        mint_keys,
+        put_advantages,
+        shard_rows,
+        write_rollout,
+    )
     from .meta import BatchMeta
 
     meta_cls = meta_cls or BatchMeta
@@ -552,17 +558,14 @@ def dataplane_step_ranks(batch, group, transport, codec, meta_cls=None, partitio
     meta = write_rollout(batch, transport, codec, meta_cls, partition, keys)
     adv = _advantages(batch, rewards, advantages, group_size)
     try:
-        col = codec.encode(Batch({"input_lengths": batch.seq_lens, "advantages": adv}))
-        transport.put(partition, keys, {"advantages": col.columns["advantages"]})
-        meta = meta.with_fields("advantages")
+        meta = put_advantages(batch, adv, transport, codec, meta, partition, keys)
         shards, _ = meta.shard_for_dp(group.world)
         out = group.step(shards, kill=kill, return_state=return_state, timeout_s=timeout_s)
     finally:
         if clear:
             transport.clear(partition, keys)
-    index = {k: i for i, k in enumerate(keys)}
-    rows = [[index[k] for k in s.keys] for s in shards]
-    return StepOutcome(out.loss, out.metrics, out.grad_norm, out.state_dict, adv, rows,
+    return StepOutcome(out.loss, out.metrics, out.grad_norm, out.state_dict, adv,
+                       shard_rows(keys, shards),
                        {"keys": keys, "ranks": out, "shard_metas": shards,
                         "seconds": out.seconds})
 

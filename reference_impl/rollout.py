@@ -60,6 +60,20 @@ def _fork_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
 
 
+def request_caps(prompts: Sequence[str], images: Sequence[list[Any]],
+                 max_new_tokens: int | Sequence[int]) -> list[int]:
+    """Each prompt's completion cap from a `generate` call's arguments, checked: one image list
+    per prompt, one cap for all or one per prompt, none negative."""
+    if len(prompts) != len(images):
+        raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
+        else [int(c) for c in max_new_tokens]
+    if len(caps) != len(prompts) or any(c < 0 for c in caps):
+        raise ValueError(f"max_new_tokens must be an int >= 0 or one per prompt "
+                         f"({len(prompts)}), got {max_new_tokens!r}")
+    return caps
+
+
 class HFRollout:
     """`generate(prompts, images, max_new_tokens, seed) -> Batch` on an HF model.
 
@@ -132,13 +146,7 @@ class HFRollout:
     def generate(self, prompts: list[str], images: list[list[Any]],
                  max_new_tokens: int | Sequence[int], seed: int = 0) -> Batch:
         """`max_new_tokens`: one cap for every prompt, or one per prompt (>= 0)."""
-        if len(prompts) != len(images):
-            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
-        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
-            else [int(c) for c in max_new_tokens]
-        if len(caps) != len(prompts) or any(c < 0 for c in caps):
-            raise ValueError(f"max_new_tokens must be an int >= 0 or one per prompt "
-                             f"({len(prompts)}), got {max_new_tokens!r}")
+        caps = request_caps(prompts, images, max_new_tokens)
         rows = []
         for i, (prompt, imgs, cap) in enumerate(zip(prompts, images, caps)):
             feats = self.family.process([prompt], [list(imgs)])

@@ -151,18 +151,6 @@ def _tensor(name: str, value):
                     f"({'empty' if isinstance(value, list) and not value else 'not tensors'})")
 
 
-def _object_column(rows):
-    """An ObjectColumn over OpenRLHF's row objects as they are (the constructor would copy)."""
-    from rlconform.reference_impl.objects import ObjectColumn, check_row
-
-    rows = list(rows)
-    for i, r in enumerate(rows):
-        check_row(i, r, MEDIA)
-    col = ObjectColumn.__new__(ObjectColumn)
-    col.rows = rows
-    return col
-
-
 def _slot(name: str) -> str:
     """Where rlconform field `name` lives in an Experience."""
     return STEP.get(name) or EPISODE.get(name) or f"info[{name!r}]"
@@ -173,6 +161,7 @@ def from_experience(exp, form: dict):
     in the form the source batch held it. A field OpenRLHF dropped is missing from it; a field
     whose row count differs from `sequences`' (OpenRLHF's batch size) is an error naming both."""
     from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
     from rlconform.reference_impl.packed import PackedTensor
 
     fields: dict = {}
@@ -201,13 +190,13 @@ def from_experience(exp, form: dict):
         raise ValueError(f"OpenRLHF returned {len(media)} mm_train_inputs rows for {n} sequences")
     family = form["family"]
     if form["object"]:
-        return Batch({**fields, form["object"]: _object_column(media)}, family)
+        return Batch({**fields, form["object"]: ObjectColumn.adopt(media, MEDIA)}, family)
     if not form["packed"]:
         extra = [i for i, r in enumerate(media) if r is not None]
         if extra:
             raise ValueError(f"OpenRLHF returned media on rows {extra[:8]} of a media-free batch")
         return Batch(fields, family)
-    out = Batch({**fields, MEDIA: _object_column(media)}, family).from_row_dicts(MEDIA)
+    out = Batch({**fields, MEDIA: ObjectColumn.adopt(media, MEDIA)}, family).from_row_dicts(MEDIA)
     missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)  # no media in any row:
                for name, pd in form["packed"].items() if name not in out.fields}  # not rebuilt
     return out.replace(**missing) if missing else out

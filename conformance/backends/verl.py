@@ -85,29 +85,18 @@ def _media_rows(batch, form: dict) -> list | None:
     return None
 
 
-def _object_column(rows):
-    """An ObjectColumn over verl's row objects as they are (the constructor would copy them)."""
-    from rlconform.reference_impl.objects import ObjectColumn, check_row
-
-    rows = list(rows)
-    for i, r in enumerate(rows):
-        check_row(i, r, MEDIA)
-    col = ObjectColumn.__new__(ObjectColumn)
-    col.rows = rows
-    return col
-
-
 def _batch(fields: dict, rows, form: dict):
     """A Batch from verl's tensors and media rows, in the form the source batch held them."""
     from rlconform.reference_impl.batch import Batch
+    from rlconform.reference_impl.objects import ObjectColumn
     from rlconform.reference_impl.packed import PackedTensor
 
     family = form["family"]
     if rows is None:
         return Batch(fields, family)
     if form["object"]:
-        return Batch({**fields, form["object"]: _object_column(rows)}, family)
-    out = Batch({**fields, MEDIA: _object_column(rows)}, family).from_row_dicts(MEDIA)
+        return Batch({**fields, form["object"]: ObjectColumn.adopt(rows, MEDIA)}, family)
+    out = Batch({**fields, MEDIA: ObjectColumn.adopt(rows, MEDIA)}, family).from_row_dicts(MEDIA)
     n = len(rows)
     missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)  # fields with no media in
                for name, pd in form["packed"].items() if name not in out.fields}  # any row

@@ -407,13 +407,9 @@ class VLLMRollout:
                  max_new_tokens: int | Sequence[int], seed: int = 0):
         import torch
 
-        if len(prompts) != len(images):
-            raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
-        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
-            else [int(c) for c in max_new_tokens]
-        if len(caps) != len(prompts) or any(c < 0 for c in caps):
-            raise ValueError(f"max_new_tokens must be an int >= 0 or one per prompt "
-                             f"({len(prompts)}), got {max_new_tokens!r}")
+        from rlconform.reference_impl.rollout import request_caps
+
+        caps = request_caps(prompts, images, max_new_tokens)
         feats_rows, requests, params, asked = [], [], [], []
         for i, (prompt, imgs) in enumerate(zip(prompts, images)):
             feats = self.family.process([prompt], [list(imgs)])
