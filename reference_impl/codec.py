@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import gather, jagged_from_values, jagged_parts, jagged_rows, split_rows
+from .dataplane import (column_layout, gather, jagged_from_values, jagged_parts, jagged_rows,
+                        split_rows)
 from .objects import ObjectColumn
 from .packed import PackedTensor
 from .registry import FAMILIES, FIELDS, DtypePolicy, Kind, spec
@@ -273,6 +274,9 @@ class ReferenceCodec:
         if not col.is_nested:
             raise TypeError(f"packed column {name!r} arrived dense {list(col.shape)}; "
                             "it was written jagged")
+        fast = self._decode_packed_flat(name, col, tags)
+        if fast is not None:
+            return fast
         # one copy of the whole column (the batch must not alias the wire); segments are views
         _, rows = split_rows(name, col, len(tags))
         per_row: list = []
@@ -292,6 +296,55 @@ class ReferenceCodec:
                 raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need {sum(sizes)} "
                                  f"values, the row has {flat.numel()}")
             per_row.append([p.reshape(s) for p, s in zip(flat.split(sizes), shapes)])
+        return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
+
+    def _decode_packed_flat(self, name: str, col: Tensor, tags: list[dict]
+                            ) -> PackedTensor | None:
+        """`_decode_packed` for the column the encoder writes (1-D values, rows tiling them):
+        the same checks and errors row by row on the tags, then one copy of the values and one
+        split into every row's segments (no per-row views). None: not that form."""
+        column_layout(name, col)
+        values, offsets, lengths = jagged_parts(col)
+        if lengths is not None or values.dim() != 1 or offsets.dim() != 1 or \
+                int(offsets.shape[0]) != len(tags) + 1:
+            return None
+        starts = offsets.tolist()
+        if starts[0] != 0 or starts[-1] != values.shape[0] or \
+                any(b < a for a, b in zip(starts, starts[1:])):
+            return None
+        pack_dim = spec(name).pack_dim
+        sizes: list[int] = []
+        shapes_all: list = []
+        counts: list[int | None] = []  # segments per row, None for a None row
+        for i, tag in enumerate(tags):
+            meta = self._tag(tag, name, i)
+            pack_dim = meta["pack_dim"]
+            shapes = meta["shapes"]
+            n = starts[i + 1] - starts[i]
+            if shapes is None:
+                if n:
+                    raise ValueError(f"field {name!r} row {i}: tag says None but the row has "
+                                     f"{n} values")
+                counts.append(None)
+                continue
+            row_sizes = [int(torch.Size(s).numel()) for s in shapes]
+            if sum(row_sizes) != n:
+                raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need "
+                                 f"{sum(row_sizes)} values, the row has {n}")
+            sizes.extend(row_sizes)
+            shapes_all.extend(shapes)
+            counts.append(len(shapes))
+        # one copy of the whole column (the batch must not alias the wire); segments are views
+        segs = values.detach().clone().split(sizes) if sizes else ()
+        segments = [p.reshape(s) for p, s in zip(segs, shapes_all)]
+        per_row: list = []
+        at = 0
+        for c in counts:
+            if c is None:
+                per_row.append(None)
+            else:
+                per_row.append(segments[at:at + c])
+                at += c
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
     def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict],
