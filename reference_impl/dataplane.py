@@ -152,12 +152,20 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
     except (RuntimeError, TypeError):  # numpy cannot see it (grad, conj/neg bit, device)
         return torch.cat(pieces)
     out = torch.empty((sum(int(p.shape[0]) for p in pieces), *trailing), dtype=dtype)
-    dst = _as_bytes(out)
+    copy_bytes(_as_bytes(out), srcs, threads)
+    return out
+
+
+def copy_bytes(dst, srcs: Sequence, threads: int | None = None) -> None:
+    """Copy 1-D uint8 numpy arrays `srcs` back to back into the 1-D uint8 numpy array `dst`
+    (their total length), one contiguous byte range per thread (`threads`: as `gather` picks)."""
+    import numpy as np
+
+    if threads is None:
+        threads = _copy_threads(len(dst))
     bounds = [len(dst) * k // threads for k in range(threads + 1)]
 
     def copy_range(lo: int, hi: int) -> None:
-        import numpy as np
-
         pos = 0
         for src in srcs:
             end = pos + len(src)
@@ -168,8 +176,10 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
                 break
             pos = end
 
-    list(_pool(threads).map(copy_range, bounds[:-1], bounds[1:]))
-    return out
+    if threads == 1:
+        copy_range(0, len(dst))
+    else:
+        list(_pool(threads).map(copy_range, bounds[:-1], bounds[1:]))
 
 
 def copy_tags(tags: Sequence[dict]) -> list[dict]:
