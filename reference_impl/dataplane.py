@@ -211,13 +211,13 @@ def jagged_from_values(values: Tensor, lengths: Sequence[int]) -> Tensor:
 def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
     """One clone of the stored block when `rows` are back-to-back views of it (keys fetched in
     the order they were put): a single copy instead of one per row."""
-    if len(rows) < 2 or any(not r.is_contiguous() for r in rows):
+    if len(rows) < 2:
         return None
     first, last = rows[0], rows[-1]
     step = first.element_size()
     end = first.data_ptr()
-    for r in rows:  # each row starts where the previous one ended
-        if r.data_ptr() != end:
+    for r in rows:  # each row contiguous, starting where the previous one ended (early out)
+        if r.data_ptr() != end or not r.is_contiguous():
             return None
         end += r.numel() * step
     # first and last in one storage, so is everything between them: the span reads only it
