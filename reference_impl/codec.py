@@ -19,8 +19,14 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import (column_layout, gather, jagged_from_values, jagged_parts, jagged_rows,
-                        split_rows)
+from .dataplane import (
+    column_layout,
+    gather,
+    jagged_from_values,
+    jagged_parts,
+    jagged_rows,
+    split_rows,
+)
 from .objects import ObjectColumn
 from .packed import PackedTensor
 from .registry import FAMILIES, FIELDS, DtypePolicy, Kind, spec
