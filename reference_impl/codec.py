@@ -19,7 +19,14 @@ import torch
 from torch import Tensor
 
 from .batch import Batch
-from .dataplane import gather, jagged_from_values, jagged_rows, split_rows
+from .dataplane import (
+    column_layout,
+    gather,
+    jagged_from_values,
+    jagged_parts,
+    jagged_rows,
+    split_rows,
+)
 from .objects import ObjectColumn
 from .packed import PackedTensor
 from .registry import FAMILIES, FIELDS, DtypePolicy, Kind, spec
@@ -55,6 +62,38 @@ def jagged(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
     return jagged_from_values(values, [r.shape[0] for r in rows])
 
 
+class _TokenIndex:
+    """(row, position) of every valid token, rows in order: row i's positions 0..lens[i]-1.
+    Indexing `[B, S, ...]` with it gathers exactly what concatenating each row's first lens[i]
+    positions gives (and index_put_ scatters it back), in one op instead of one per row."""
+
+    __slots__ = ("rows", "positions", "batch", "need")
+
+    def __init__(self, rows: Tensor, positions: Tensor, batch: int, need: int):
+        self.rows, self.positions, self.batch, self.need = rows, positions, batch, need
+
+    @classmethod
+    def of(cls, lens: list[int]) -> _TokenIndex | None:
+        if not lens or any(type(n) is not int or n < 0 for n in lens):
+            return None  # the per-row path raises what it raises
+        n = torch.tensor(lens, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(lens)), n)
+        starts = torch.cumsum(n, 0) - n
+        positions = torch.arange(int(rows.shape[0])) - starts[rows]
+        return cls(rows, positions, len(lens), max(lens))
+
+    def at(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self.rows.device != device:
+            self.rows, self.positions = self.rows.to(device), self.positions.to(device)
+        return self.rows, self.positions
+
+    def fits(self, v: Tensor, axis: int) -> bool:
+        """`v` is `[B, ...]` with B rows and a sequence dim (`axis` in a row) that holds
+        every row's tokens."""
+        return (v.dim() >= 2 and int(v.shape[0]) == self.batch
+                and int(v.shape[axis + 1]) >= self.need)
+
+
 class ReferenceCodec:
     """Stateless; `pixel_dtype` (when set) casts POLICY media once, at encode."""
 
@@ -76,6 +115,7 @@ class ReferenceCodec:
                 t[FAMILY_TAG] = batch.family
         fam = batch.family_spec
         columns: dict[str, Tensor] = {}
+        index = None  # token positions of every row, built once for all per-token fields
         for name, v in batch.fields.items():
             fs = spec(name)
             if fs.kind is Kind.PACKED:
@@ -87,7 +127,9 @@ class ReferenceCodec:
                         else None)
                 columns[name] = self._encode_packed(name, v, cast, tags)
             elif fs.kind is Kind.PER_TOKEN:
-                columns[name] = self._encode_per_token(name, v, lens)
+                if index is None:
+                    index = _TokenIndex.of(lens)
+                columns[name] = self._encode_per_token(name, v, lens, index)
             elif fs.kind is Kind.OBJECT:
                 if not isinstance(v, ObjectColumn):
                     raise TypeError(f"object field {name!r} must be an ObjectColumn, got "
@@ -99,9 +141,14 @@ class ReferenceCodec:
         return WireBatch(columns, tags)
 
     @staticmethod
-    def _encode_per_token(name: str, v: Tensor, lens: list[int]) -> Tensor:
+    def _encode_per_token(name: str, v: Tensor, lens: list[int],
+                          index: _TokenIndex | None = None) -> Tensor:
         """Row i: the first `lens[i]` positions of the sequence dim, moved first."""
         axis = spec(name).seq_axis(v.dim()) - 1  # in a row (batch dim gone)
+        if index is not None and index.fits(v, axis):
+            # one gather for all rows (what the per-row loop below concatenates), a copy
+            values = v.movedim(axis + 1, 1)[index.at(v.device)]
+            return jagged_from_values(values, lens)
         rows = [v[i].narrow(axis, 0, n).movedim(axis, 0) for i, n in enumerate(lens)]
         values = (torch.cat(rows) if rows else
                   v.new_empty((0, *[d for k, d in enumerate(v.shape[1:]) if k != axis])))
@@ -186,6 +233,7 @@ class ReferenceCodec:
             raise KeyError(f"wire tag 'family' names unknown family {family!r}")
         lens = [self._tag(t, SEQ_LEN_TAG, i) for i, t in enumerate(wire.tags)]
         fields: dict = {}
+        index = None  # token positions of every row, built once for all per-token fields
         objects: dict[str, dict[str, Tensor]] = {}
         for name, col in wire.columns.items():
             owner = column_field(name)
@@ -199,7 +247,9 @@ class ReferenceCodec:
             if fs.kind is Kind.PACKED:
                 fields[name] = self._decode_packed(name, col, wire.tags)
             elif fs.kind is Kind.PER_TOKEN:
-                fields[name] = self._decode_per_token(name, col, lens, fs.pad_value)
+                if index is None:
+                    index = _TokenIndex.of(lens)
+                fields[name] = self._decode_per_token(name, col, lens, fs.pad_value, index)
             else:
                 if col.is_nested:
                     raise TypeError(f"per-sample column {name!r} arrived jagged; it was dense")
@@ -230,6 +280,9 @@ class ReferenceCodec:
         if not col.is_nested:
             raise TypeError(f"packed column {name!r} arrived dense {list(col.shape)}; "
                             "it was written jagged")
+        fast = self._decode_packed_flat(name, col, tags)
+        if fast is not None:
+            return fast
         # one copy of the whole column (the batch must not alias the wire); segments are views
         _, rows = split_rows(name, col, len(tags))
         per_row: list = []
@@ -249,6 +302,55 @@ class ReferenceCodec:
                 raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need {sum(sizes)} "
                                  f"values, the row has {flat.numel()}")
             per_row.append([p.reshape(s) for p, s in zip(flat.split(sizes), shapes)])
+        return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
+
+    def _decode_packed_flat(self, name: str, col: Tensor, tags: list[dict]
+                            ) -> PackedTensor | None:
+        """`_decode_packed` for the column the encoder writes (1-D values, rows tiling them):
+        the same checks and errors row by row on the tags, then one copy of the values and one
+        split into every row's segments (no per-row views). None: not that form."""
+        column_layout(name, col)
+        values, offsets, lengths = jagged_parts(col)
+        if lengths is not None or values.dim() != 1 or offsets.dim() != 1 or \
+                int(offsets.shape[0]) != len(tags) + 1:
+            return None
+        starts = offsets.tolist()
+        if starts[0] != 0 or starts[-1] != values.shape[0] or \
+                any(b < a for a, b in zip(starts, starts[1:])):
+            return None
+        pack_dim = spec(name).pack_dim
+        sizes: list[int] = []
+        shapes_all: list = []
+        counts: list[int | None] = []  # segments per row, None for a None row
+        for i, tag in enumerate(tags):
+            meta = self._tag(tag, name, i)
+            pack_dim = meta["pack_dim"]
+            shapes = meta["shapes"]
+            n = starts[i + 1] - starts[i]
+            if shapes is None:
+                if n:
+                    raise ValueError(f"field {name!r} row {i}: tag says None but the row has "
+                                     f"{n} values")
+                counts.append(None)
+                continue
+            row_sizes = [int(torch.Size(s).numel()) for s in shapes]
+            if sum(row_sizes) != n:
+                raise ValueError(f"field {name!r} row {i}: tag shapes {shapes} need "
+                                 f"{sum(row_sizes)} values, the row has {n}")
+            sizes.extend(row_sizes)
+            shapes_all.extend(shapes)
+            counts.append(len(shapes))
+        # one copy of the whole column (the batch must not alias the wire); segments are views
+        segs = values.detach().clone().split(sizes) if sizes else ()
+        segments = [p.reshape(s) for p, s in zip(segs, shapes_all)]
+        per_row: list = []
+        at = 0
+        for c in counts:
+            if c is None:
+                per_row.append(None)
+            else:
+                per_row.append(segments[at:at + c])
+                at += c
         return PackedTensor.from_rows(per_row, pack_dim=pack_dim)
 
     def _decode_object(self, name: str, cols: dict[str, Tensor], tags: list[dict],
@@ -303,16 +405,29 @@ class ReferenceCodec:
         return ObjectColumn(rows)
 
     @staticmethod
-    def _decode_per_token(name: str, col: Tensor, lens: list[int], pad_value) -> Tensor:
+    def _decode_per_token(name: str, col: Tensor, lens: list[int], pad_value,
+                          index: _TokenIndex | None = None) -> Tensor:
         """Rows `(len_i, *other)` back to `[B, ..., S, ...]` with S on the registered seq dim."""
         if not col.is_nested:
             raise TypeError(f"per-token column {name!r} arrived dense; it was written jagged")
-        rows = jagged_rows(col)
         seq = max(lens) if lens else 0
-        other = list(col.shape[2:])
+        values, offsets, lengths = jagged_parts(col)
+        other = list(values.shape[1:])
         axis = spec(name).seq_axis(2 + len(other)) - 1
         shape = other[:axis] + [seq] + other[axis:]
-        out = torch.full((len(rows), *shape), pad_value, dtype=col.dtype)
+        out = torch.full((len(lens), *shape), pad_value, dtype=values.dtype)
+        if index is not None and lengths is None and len(lens) + 1 == offsets.shape[0]:
+            starts = offsets.tolist()
+            if starts[0] == 0 and starts[-1] == values.shape[0]:
+                got = [b - a for a, b in zip(starts, starts[1:])]
+                bad = next((i for i, (g, n) in enumerate(zip(got, lens)) if g != n), None)
+                if bad is not None:
+                    raise ValueError(f"per-token column {name!r} row {bad} has {got[bad]} "
+                                     f"tokens, its tag says seq_len {lens[bad]}")
+                # every row's tokens in one scatter into the padded output (a copy)
+                out.movedim(axis + 1, 1).index_put_(index.at(out.device), values)
+                return out
+        rows = jagged_rows(col)
         for i, (r, n) in enumerate(zip(rows, lens)):
             if r.shape[0] != n:
                 raise ValueError(f"per-token column {name!r} row {i} has {r.shape[0]} tokens, "

@@ -152,12 +152,20 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
     except (RuntimeError, TypeError):  # numpy cannot see it (grad, conj/neg bit, device)
         return torch.cat(pieces)
     out = torch.empty((sum(int(p.shape[0]) for p in pieces), *trailing), dtype=dtype)
-    dst = _as_bytes(out)
+    copy_bytes(_as_bytes(out), srcs, threads)
+    return out
+
+
+def copy_bytes(dst, srcs: Sequence, threads: int | None = None) -> None:
+    """Copy 1-D uint8 numpy arrays `srcs` back to back into the 1-D uint8 numpy array `dst`
+    (their total length), one contiguous byte range per thread (`threads`: as `gather` picks)."""
+    import numpy as np
+
+    if threads is None:
+        threads = _copy_threads(len(dst))
     bounds = [len(dst) * k // threads for k in range(threads + 1)]
 
     def copy_range(lo: int, hi: int) -> None:
-        import numpy as np
-
         pos = 0
         for src in srcs:
             end = pos + len(src)
@@ -168,8 +176,10 @@ def gather(pieces: Sequence[Tensor], dtype: torch.dtype | None = None,
                 break
             pos = end
 
-    list(_pool(threads).map(copy_range, bounds[:-1], bounds[1:]))
-    return out
+    if threads == 1:
+        copy_range(0, len(dst))
+    else:
+        list(_pool(threads).map(copy_range, bounds[:-1], bounds[1:]))
 
 
 def copy_tags(tags: Sequence[dict]) -> list[dict]:
@@ -188,21 +198,26 @@ def copy_tags(tags: Sequence[dict]) -> list[dict]:
 def jagged_from_values(values: Tensor, lengths: Sequence[int]) -> Tensor:
     """A jagged nested tensor whose row i is the next `lengths[i]` entries of `values` (a view,
     no copy); zero-length rows allowed."""
-    offsets = torch.tensor([0, *itertools.accumulate(int(n) for n in lengths)],
-                           dtype=torch.long)
+    bounds = [0, *itertools.accumulate(int(n) for n in lengths)]
+    offsets = torch.tensor(bounds, dtype=torch.long)
+    if _NJT is not None and not values.requires_grad and values.dim() >= 1 and \
+            bounds[-1] == values.shape[0] and values.device.type == "cpu":
+        # the jagged tensor class built directly: what nested_tensor_from_jagged returns (same
+        # values, offsets, shape, dtype), without its dispatch through a view op (~50 us a call)
+        return _NJT(values, offsets)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
 def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
     """One clone of the stored block when `rows` are back-to-back views of it (keys fetched in
     the order they were put): a single copy instead of one per row."""
-    if len(rows) < 2 or any(not r.is_contiguous() for r in rows):
+    if len(rows) < 2:
         return None
     first, last = rows[0], rows[-1]
     step = first.element_size()
     end = first.data_ptr()
-    for r in rows:  # each row starts where the previous one ended
-        if r.data_ptr() != end:
+    for r in rows:  # each row contiguous, starting where the previous one ended (early out)
+        if r.data_ptr() != end or not r.is_contiguous():
             return None
         end += r.numel() * step
     # first and last in one storage, so is everything between them: the span reads only it

@@ -13,6 +13,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .dataplane import copy_tags
+
 
 @dataclass
 class BatchMeta:
@@ -46,7 +48,7 @@ class BatchMeta:
             [self.keys[i] for i in idx],
             list(kw.get("fields", self.fields)),
             [self.seq_lens[i] for i in idx],
-            [copy.deepcopy(self.tags[i]) for i in idx],
+            copy_tags([self.tags[i] for i in idx]),  # deep, per row, pickle-fast
             copy.deepcopy(self.extra),
         )
 
@@ -79,7 +81,7 @@ class BatchMeta:
             [k for m in metas for k in m.keys],
             list(first.fields),
             [s for m in metas for s in m.seq_lens],
-            [copy.deepcopy(t) for m in metas for t in m.tags],
+            copy_tags([t for m in metas for t in m.tags]),
             extra,
         )
 

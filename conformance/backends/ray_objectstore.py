@@ -100,13 +100,17 @@ class _Index:
             if lacking:
                 return ("error", "KeyError", f"field {name!r} missing for keys {lacking[:8]} "
                         f"in partition {partition!r}")
-            where = []
+            where: list[list[int]] = []  # runs [block index, first row, last row + 1]
             for k in keys:
                 no, row = part[k]["rows"][name]
                 if no not in index:
                     index[no] = len(refs)
                     refs.append(self.blocks[no])
-                where.append((index[no], row))
+                b = index[no]
+                if where and where[-1][0] == b and where[-1][2] == row:
+                    where[-1][2] = row + 1  # the next row of the same block: one run
+                else:
+                    where.append([b, row, row + 1])
             out[name] = (self.layouts[partition][name], where)
         return ("ok", out, refs, [dict(part[k]["tags"]) for k in keys])
 
@@ -175,42 +179,39 @@ def _dtype(name: str):
     return getattr(torch, name.removeprefix("torch."))
 
 
-def _from_rows(layout: tuple, blocks: list[dict], where: list[tuple[int, int]]):
-    """A fresh tensor (one copy) holding row `row` of block `b` for each (b, row) in `where`."""
+def _from_rows(layout: tuple, blocks: list[dict], where: list[list[int]]):
+    """A fresh tensor (one copy) holding rows `lo:hi` of block `b` for each run [b, lo, hi] in
+    `where`, in order (keys that sit back to back in one block come as one run)."""
     import numpy as np
     import torch
 
-    from rlconform.reference_impl.dataplane import jagged_from_values
+    from rlconform.reference_impl.dataplane import copy_bytes, jagged_from_values
 
     kind, dtype_name, trailing = layout
     dtype = _dtype(dtype_name)
-    if kind == DENSE:
-        first = blocks[where[0][0]]["values"]
-        out = np.empty((len(where), *first.shape[1:]), dtype=first.dtype)
-        by_block: dict[int, tuple[list[int], list[int]]] = {}
-        for pos, (b, row) in enumerate(where):
-            by_block.setdefault(b, ([], []))[0].append(pos)
-            by_block[b][1].append(row)
-        for b, (pos, rows) in by_block.items():
-            out[pos] = blocks[b]["values"][rows]
-        return torch.from_numpy(out).view(dtype)
-    spans = []
-    for b, row in where:
-        off = blocks[b]["offsets"]
-        spans.append((b, int(off[row]), int(off[row + 1])))
-    lengths = [hi - lo for _b, lo, hi in spans]
-    runs: list[list[int]] = []  # rows adjacent in one block are copied in one go
-    for b, lo, hi in spans:
-        if runs and runs[-1][0] == b and runs[-1][2] == lo:
-            runs[-1][2] = hi
-        else:
-            runs.append([b, lo, hi])
     first = blocks[where[0][0]]["values"]
+    if kind == DENSE:
+        out = np.empty((sum(hi - lo for _b, lo, hi in where), *first.shape[1:]),
+                       dtype=first.dtype)
+        at = 0
+        for b, lo, hi in where:
+            out[at:at + hi - lo] = blocks[b]["values"][lo:hi]
+            at += hi - lo
+        return torch.from_numpy(out).view(dtype)
+    lengths: list[int] = []
+    spans: list[list[int]] = []  # [block, first value, last value + 1]; adjacent ones merged
+    for b, lo, hi in where:
+        off = blocks[b]["offsets"][lo:hi + 1]
+        lengths.extend(np.diff(off).tolist())
+        a, z = int(off[0]), int(off[-1])
+        if spans and spans[-1][0] == b and spans[-1][2] == a:
+            spans[-1][2] = z
+        else:
+            spans.append([b, a, z])
     values = np.empty((sum(lengths), *first.shape[1:]), dtype=first.dtype)
-    at = 0
-    for b, lo, hi in runs:
-        values[at:at + hi - lo] = blocks[b]["values"][lo:hi]
-        at += hi - lo
+    # one copy out of shared memory, over the machine's cores when large (exact: raw bytes)
+    copy_bytes(values.reshape(-1).view(np.uint8),
+               [blocks[b]["values"][a:z].reshape(-1).view(np.uint8) for b, a, z in spans])
     return jagged_from_values(torch.from_numpy(values).view(dtype), lengths)
 
 
