@@ -195,12 +195,35 @@ def copy_tags(tags: Sequence[dict]) -> list[dict]:
     return out
 
 
+def _direct_njt_matches() -> bool:
+    """Whether this torch's jagged class, built directly from (values, offsets), has the form
+    the public constructor gives (the class is internal: a torch that changed it falls back).
+    Checked without calling the public constructor, which logs an fx-tracing warning on first
+    use in torch 2.13."""
+    if _NJT is None:
+        return False
+    try:
+        values, offsets = torch.arange(6.0).view(3, 2), torch.tensor([0, 1, 3])
+        t = _NJT(values, offsets)
+        rows = t.unbind()
+        return (t._values is values and t._offsets is offsets and t._lengths is None
+                and t._ragged_idx == 1 and t.layout is torch.jagged and t.is_nested
+                and t.dim() == 3 and t.shape[0] == 2 and t.dtype == values.dtype
+                and len(rows) == 2 and torch.equal(rows[0], values[:1])
+                and torch.equal(rows[1], values[1:]))
+    except Exception:  # noqa: BLE001 - any difference means: use the public constructor
+        return False
+
+
+_DIRECT_NJT = _direct_njt_matches()
+
+
 def jagged_from_values(values: Tensor, lengths: Sequence[int]) -> Tensor:
     """A jagged nested tensor whose row i is the next `lengths[i]` entries of `values` (a view,
     no copy); zero-length rows allowed."""
     bounds = [0, *itertools.accumulate(int(n) for n in lengths)]
     offsets = torch.tensor(bounds, dtype=torch.long)
-    if _NJT is not None and not values.requires_grad and values.dim() >= 1 and \
+    if _DIRECT_NJT and not values.requires_grad and values.dim() >= 1 and \
             bounds[-1] == values.shape[0] and values.device.type == "cpu":
         # the jagged tensor class built directly: what nested_tensor_from_jagged returns (same
         # values, offsets, shape, dtype), without its dispatch through a view op (~50 us a call)
