@@ -70,6 +70,17 @@ def fmt_score(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+def score_note(summary: Mapping[str, Any]) -> str:
+    """What the score leaves implicit when waivers count in it: how many applicable clauses
+    pass without one ("" when none is waived)."""
+    waived = summary.get("waived", 0)
+    if not waived:
+        return ""
+    applicable = summary["total"] - summary.get("not_applicable", 0)
+    return (f"waivers included: {summary.get('passed', 0)} of {applicable} applicable clauses "
+            f"pass without one")
+
+
 def sorted_clauses(clauses: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Worst news first (required before advisory), then by ID: the eye lands on what to do."""
     return sorted(

@@ -31,6 +31,7 @@ from ._common import (
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
+    score_note,
     sorted_clauses,
 )
 from .diff import METRIC_TOLERANCES
@@ -358,6 +359,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "ok": verdict.ok,
         "reasons": verdict.reasons,
         "score": fmt_score(summary["score"]),
+        "score_note": score_note(summary),
         "score_pct": 0 if summary["score"] is None else round(100 * summary["score"], 1),
         "counts": [(s, STATUS_LABEL[s], summary[s]) for s in STATUSES],
         "total": summary["total"],

@@ -24,6 +24,7 @@ from ._common import (
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
+    score_note,
     sorted_clauses,
 )
 from .gate import gate
@@ -81,7 +82,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         for s in STATUSES
         if summary[s] or s in ("passed", "failed")
     )
-    lines.append(f"**score {fmt_score(summary['score'])}** · {counts} · {summary['total']} clauses")
+    note = score_note(summary)
+    lines.append(f"**score {fmt_score(summary['score'])}**{f' ({note})' if note else ''} · "
+                 f"{counts} · {summary['total']} clauses")
     lines.append("")
     info = report.get("backend_info") or {}
     if info.get("description"):
