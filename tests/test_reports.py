@@ -855,3 +855,22 @@ def test_flat_distributions_are_not_plotted():
     assert is_flat({"kind": "distribution", "min": 0.0, "max": 1.1e-13})
     assert not is_flat({"kind": "distribution", "min": 0.83, "max": 1.08})
     assert not is_flat({"kind": "series", "steps": [0], "values": []})
+
+
+def test_the_header_says_how_many_clauses_pass_without_a_waiver(tmp_path):
+    """Waived clauses count in the score, so a heavily waived backend scores 100%; the header
+    of every format says how many applicable clauses pass without a waiver."""
+    clauses = [{"id": f"DP-{i}", "status": s, "message": "", "tests": []}
+               for i, s in enumerate(["passed", "waived", "waived", "not_applicable"])]
+    for c in clauses:
+        if c["status"] == "waived":
+            c["waiver"] = {"clause": c["id"], "category": "backend-bug", "reason": "r",
+                           "expires": "2099-01-01"}
+    report = _minimal(clauses)
+    paths = write_reports(report, tmp_path)
+    note = "waivers included: 1 of 3 applicable clauses pass without one"
+    assert note in paths["markdown"].read_text()
+    assert note in paths["html"].read_text()
+    clean = _minimal([{"id": "DP-0", "status": "passed", "message": "", "tests": []}])
+    assert "waivers included" not in write_reports(clean, tmp_path / "clean")["markdown"] \
+        .read_text()
