@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 _SKIPPED: list[str] = []
 
@@ -36,3 +37,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                                    red=True)
         for line in _SKIPPED:
             terminalreporter.write_line(f"  {line}")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (more only contend on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from _exact import nt, same
 
 from rlconform.conformance.backend import CAPABILITIES, Backend, load_backend
 from rlconform.conformance.backends import _procs, requirements
@@ -52,21 +53,6 @@ def known(request, live, check: str) -> None:
     reason = KNOWN.get((live.name, check))
     if reason:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
-
-
-def nt(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.nested_tensor(rows, layout=torch.jagged)
-
-
-def same(want: torch.Tensor, got: torch.Tensor) -> bool:
-    """Exact equality including layout, dtype, shape and row boundaries."""
-    if want.is_nested != got.is_nested or want.dtype != got.dtype:
-        return False
-    if want.is_nested:
-        a, b = want.unbind(), got.unbind()
-        return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y)
-                                        for x, y in zip(a, b))
-    return want.shape == got.shape and torch.equal(want, got)
 
 
 def assert_same(want: dict, got: dict) -> None:

@@ -42,12 +42,7 @@ GROUP = 2
 LOGPROB_TOL = 2e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _BATCHES: dict = {}

@@ -23,26 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exact import nt, same
 
 from rlconform.conformance.backends import _procs
 from rlconform.reference_impl.ranks import RankFailed, RankLaunch, dataplane_step_ranks
 from rlconform.reference_impl.served import ServedDataPlane, StoreClient, StoreUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def nt(rows):
-    return torch.nested.nested_tensor(rows, layout=torch.jagged)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_nested != b.is_nested or a.dtype != b.dtype:
-        return False
-    if a.is_nested:
-        x, y = a.unbind(), b.unbind()
-        return len(x) == len(y) and all(p.shape == q.shape and torch.equal(p, q)
-                                        for p, q in zip(x, y))
-    return a.shape == b.shape and torch.equal(a, b)
 
 
 @pytest.fixture

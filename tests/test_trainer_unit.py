@@ -35,12 +35,7 @@ from rlconform.reference_impl.trainer import (
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- loss and metrics ---------------------------------------------------------------------
