@@ -17,22 +17,31 @@ parameters before the optimizer step.
 from __future__ import annotations
 
 
-def make_trainer(settings, transport=None, codec=None, model=None, ranks=None):
-    from rlconform.reference_impl.trainer import DataPlaneTrainer, LegacyTrainer
+def trainer_factory(dataplane_cls: type | None = None, group_cls: type | None = None):
+    """The trainer surface over these classes (default: the reference's DataPlaneTrainer and
+    RankGroup); a mutant swaps one of them."""
 
-    if ranks is not None:  # data-parallel ranks as processes: reference_impl/ranks.py
-        from rlconform.reference_impl.ranks import RankGroup
+    def make_trainer(settings, transport=None, codec=None, model=None, ranks=None):
+        from rlconform.reference_impl.trainer import DataPlaneTrainer, LegacyTrainer
 
+        if ranks is not None:  # data-parallel ranks as processes: reference_impl/ranks.py
+            from rlconform.reference_impl.ranks import RankGroup
+
+            if transport is None:
+                raise TypeError("ranks= needs a transport: every rank opens it by its address")
+            return (group_cls or RankGroup)(ranks, settings, transport, codec)
         if transport is None:
-            raise TypeError("ranks= needs a transport: every rank opens it by its address")
-        return RankGroup(ranks, settings, transport, codec)
-    if transport is None:
-        return LegacyTrainer(settings, model)
-    if codec is None:
-        from rlconform.reference_impl.codec import ReferenceCodec
+            return LegacyTrainer(settings, model)
+        if codec is None:
+            from rlconform.reference_impl.codec import ReferenceCodec
 
-        codec = ReferenceCodec()
-    return DataPlaneTrainer(settings, transport, codec, model)
+            codec = ReferenceCodec()
+        return (dataplane_cls or DataPlaneTrainer)(settings, transport, codec, model)
+
+    return make_trainer
+
+
+make_trainer = trainer_factory()
 
 
 def make_rollout(family, settings, model=None):

@@ -32,7 +32,7 @@ from rlconform.reference_impl.ranks import (
     dp_reduce_gradients,
 )
 from rlconform.reference_impl.registry import Stage
-from rlconform.reference_impl.trainer import DataPlaneTrainer, GRPOCore, LegacyTrainer
+from rlconform.reference_impl.trainer import DataPlaneTrainer, GRPOCore
 
 TRANSPORT_ENV = "RLCONFORM_RANK_MUTANT_TRANSPORT"
 SURFACE = "transport"
@@ -47,18 +47,9 @@ def _backend(core_cls: type = GRPOCore, dataplane_cls: type = DataPlaneTrainer,
 
     _DP.core_cls = core_cls
 
-    def make_trainer(settings, transport=None, codec=None, model=None, ranks=None):
-        if ranks is not None:
-            return group_cls(ranks, settings, transport, codec)
-        if transport is None:
-            return LegacyTrainer(settings, model)
-        if codec is None:
-            from rlconform.reference_impl.codec import ReferenceCodec
+    from rlconform.conformance.backends.reference_trainer import trainer_factory
 
-            codec = ReferenceCodec()
-        return _DP(settings, transport, codec, model)
-
-    parts: dict = {"trainer": make_trainer}
+    parts: dict = {"trainer": trainer_factory(_DP, group_cls)}
     if meta_cls is not None:
         parts["meta"] = lambda: meta_cls
     real = os.environ.get(TRANSPORT_ENV)
