@@ -13,6 +13,8 @@ tag (`None` for a None row, `{}` for an empty dict), so it decodes exactly.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +24,7 @@ from .batch import Batch
 from .dataplane import (
     column_layout,
     gather,
+    is_nested,
     jagged_from_values,
     jagged_parts,
     jagged_rows,
@@ -65,27 +68,53 @@ def jagged(rows: list[Tensor], dtype: torch.dtype) -> Tensor:
 class _TokenIndex:
     """(row, position) of every valid token, rows in order: row i's positions 0..lens[i]-1.
     Indexing `[B, S, ...]` with it gathers exactly what concatenating each row's first lens[i]
-    positions gives (and index_put_ scatters it back), in one op instead of one per row."""
+    positions gives (and index_put_ scatters it back), in one op instead of one per row.
 
-    __slots__ = ("rows", "positions", "batch", "need")
+    The index is a pure function of the lengths, and one GRPO step builds it for the same
+    lengths again and again (a shard's three fetches decode, its two logprob columns encode,
+    ~11 builds of ~35 us for 2-3 distinct length lists), so `of` keeps the last few in a small
+    cache. The index tensors are only ever read (indexing, index_put_'s indices), never written,
+    and `at` keeps each device's copy beside the CPU one instead of replacing it, so a cached
+    index shared by threads or devices is never changed in place."""
+
+    __slots__ = ("rows", "positions", "batch", "need", "_on")
+
+    CACHE_ENTRIES = 4
+    CACHE_MAX_TOKENS = 1 << 18  # 4 MiB of int64 indices per entry at most
+    _cache: OrderedDict = OrderedDict()
+    _cache_lock = threading.Lock()
 
     def __init__(self, rows: Tensor, positions: Tensor, batch: int, need: int):
         self.rows, self.positions, self.batch, self.need = rows, positions, batch, need
+        self._on = {rows.device: (rows, positions)}
 
     @classmethod
     def of(cls, lens: list[int]) -> _TokenIndex | None:
         if not lens or any(type(n) is not int or n < 0 for n in lens):
             return None  # the per-row path raises what it raises
+        key = tuple(lens)
+        with cls._cache_lock:
+            hit = cls._cache.get(key)
+            if hit is not None:
+                cls._cache.move_to_end(key)
+                return hit
         n = torch.tensor(lens, dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(len(lens)), n)
         starts = torch.cumsum(n, 0) - n
         positions = torch.arange(int(rows.shape[0])) - starts[rows]
-        return cls(rows, positions, len(lens), max(lens))
+        index = cls(rows, positions, len(lens), max(lens))
+        if int(rows.shape[0]) <= cls.CACHE_MAX_TOKENS:
+            with cls._cache_lock:
+                cls._cache[key] = index
+                while len(cls._cache) > cls.CACHE_ENTRIES:
+                    cls._cache.popitem(last=False)
+        return index
 
     def at(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self.rows.device != device:
-            self.rows, self.positions = self.rows.to(device), self.positions.to(device)
-        return self.rows, self.positions
+        pair = self._on.get(device)
+        if pair is None:
+            pair = self._on[device] = (self.rows.to(device), self.positions.to(device))
+        return pair
 
     def fits(self, v: Tensor, axis: int) -> bool:
         """`v` is `[B, ...]` with B rows and a sequence dim (`axis` in a row) that holds
@@ -251,7 +280,7 @@ class ReferenceCodec:
                     index = _TokenIndex.of(lens)
                 fields[name] = self._decode_per_token(name, col, lens, fs.pad_value, index)
             else:
-                if col.is_nested:
+                if is_nested(col):
                     raise TypeError(f"per-sample column {name!r} arrived jagged; it was dense")
                 fields[name] = col.clone()
         for name, cols in objects.items():  # an object field is fetched by its own column
@@ -277,7 +306,7 @@ class ReferenceCodec:
                 from None
 
     def _decode_packed(self, name: str, col: Tensor, tags: list[dict]) -> PackedTensor:
-        if not col.is_nested:
+        if not is_nested(col):
             raise TypeError(f"packed column {name!r} arrived dense {list(col.shape)}; "
                             "it was written jagged")
         fast = self._decode_packed_flat(name, col, tags)
@@ -359,7 +388,7 @@ class ReferenceCodec:
             raise TypeError(f"object field {name!r}'s own column must be dense (B,), got "
                             f"{'jagged' if present.is_nested else list(present.shape)}")
         for key, col in cols.items():
-            if not col.is_nested:
+            if not is_nested(col):
                 raise TypeError(f"object column '{name}{OBJECT_SEP}{key}' arrived dense "
                                 f"{list(col.shape)}; it was written jagged")
         # one copy of each column (the batch must not alias the wire); tensors are views of it
@@ -408,7 +437,7 @@ class ReferenceCodec:
     def _decode_per_token(name: str, col: Tensor, lens: list[int], pad_value,
                           index: _TokenIndex | None = None) -> Tensor:
         """Rows `(len_i, *other)` back to `[B, ..., S, ...]` with S on the registered seq dim."""
-        if not col.is_nested:
+        if not is_nested(col):
             raise TypeError(f"per-token column {name!r} arrived dense; it was written jagged")
         seq = max(lens) if lens else 0
         values, offsets, lengths = jagged_parts(col)
