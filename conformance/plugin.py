@@ -289,10 +289,16 @@ def _one_device_group(config: pytest.Config, items) -> None:
     data-plane tests spread over the other workers: a production-width trainer (policy, frozen
     reference, AdamW state, activations) peaks at 45-52 GiB (measured on an H200: Gemma3-4B,
     SmolVLM), so two fit one 139 GiB GPU and eight did not. The two largest families sit in
-    different groups."""
+    different groups.
+
+    The grouped tests move to the front: xdist hands out work units in collection order, and
+    the two groups are the run's longest units (~500 s each at production widths, against
+    ~400 s of every other test together spread over the other workers); collected after the
+    data-plane modules they started only once those had been dealt out."""
     if not config.getoption("--device").startswith("cuda") or \
             not getattr(config.option, "loadgroup", False):  # set in xdist workers
         return
+    grouped, rest = [], []
     for item in items:
         ids = [i for m in item.iter_markers("clause") for i in m.args]
         if any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
@@ -300,6 +306,10 @@ def _one_device_group(config: pytest.Config, items) -> None:
             callspec = getattr(item, "callspec", None)
             family = callspec.params.get("family") if callspec else None
             _suffix_nodeid(item, f"{DEVICE_GROUP}-{_device_group(family)}")
+            grouped.append(item)
+        else:
+            rest.append(item)
+    items[:] = grouped + rest
 
 
 DEVICE_GROUPS = 2

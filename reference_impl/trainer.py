@@ -15,6 +15,7 @@ pass, so probs_ratio == 1 is earned (BACKGROUND.md section 5).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -97,6 +98,33 @@ def _deterministic_cuda() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def fused_attention(model: torch.nn.Module) -> bool:
+    """Whether any part of `model` runs a fused attention kernel (SDPA, flash) rather than
+    eager attention (production Gemma3's vision tower: `Family.attention`)."""
+    impls = {getattr(m.config, "_attn_implementation", None)
+             for m in model.modules() if hasattr(m, "config")}
+    return bool(impls - {None, "eager"})
+
+
+@contextlib.contextmanager
+def strict_determinism():
+    """PyTorch's strict deterministic mode for the duration (warn_only=False). Fused
+    attention's backward picks its deterministic kernel only there: with warn_only=True,
+    PyTorch's `_flash_attention_backward` / `_efficient_attention_backward`
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu) warn and accumulate dQ
+    with atomics, so two identical steps update Gemma3-4B's SigLIP weights differently (the
+    nightly production run of 2026-12-03 on an H200). Scoped to the backward of models with
+    fused attention: strict mode raises on any op without a deterministic kernel, and the
+    eager models are bitwise without it."""
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 class GRPOCore:
     """Model, frozen reference copy, optimizer, and the forward / loss of one GRPO step."""
 
@@ -117,6 +145,7 @@ class GRPOCore:
         self.model = model.to(self.device)
         self.model.eval()  # dropout 0 either way; eval keeps every pass on one code path
         self.reference_model = self._frozen_copy(self.model)
+        self._strict_backward = self.device.type == "cuda" and fused_attention(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
             weight_decay=0.0)
@@ -205,7 +234,9 @@ class GRPOCore:
             for _, mb in self.micro_batches(shard):
                 logp = self.token_logprobs(self.model, mb, Stage.TRAIN)
                 out = self.micro_batch_loss(mb, logp, normalizer)
-                out.loss.backward()
+                with strict_determinism() if self._strict_backward else \
+                        contextlib.nullcontext():
+                    out.loss.backward()
                 total += out.loss.detach().double().cpu()
                 for k, v in out.metrics.items():
                     metrics.setdefault(k, []).append(v.cpu())

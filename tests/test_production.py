@@ -95,7 +95,7 @@ def test_option_deselects_trainer_tests_of_families_without_the_size():
     assert "test_ratio_one_from_independent_recompute[gemma3]" in text
 
 
-def test_on_cuda_the_model_tests_share_one_xdist_group():
+def test_on_cuda_the_model_tests_form_two_xdist_groups_dealt_first():
     """Under --dist loadgroup on CUDA, trainer/rollout tests carry the group suffix xdist's
     scheduler reads, data-plane tests do not (xdist's own marker handling is a no-op on
     pytest 9.2). Collection only: no GPU needed."""
@@ -123,6 +123,8 @@ def test_on_cuda_the_model_tests_share_one_xdist_group():
     assert len(groups) == 2, groups  # two production trainers fit one GPU at once
     assert [i for i in grouped if "[gemma3]" in i][0].rsplit("@")[1] != \
         [i for i in grouped if "[smolvlm]" in i][0].rsplit("@")[1], "largest two share a group"
+    # the groups are the longest work units: collected first, so xdist deals them out first
+    assert ids[:len(grouped)] == grouped, ids
 
 
 def test_mutant_effects_render_in_the_report():

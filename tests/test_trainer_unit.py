@@ -259,3 +259,33 @@ def test_truncation_and_dynamic_micro_batches_keep_ratio_one(qwen):
                          advantages=torch.tensor([1.0, -1.0, 0.5]))
     assert out.metrics["probs_ratio"].numel() == int(batch["token_mask"][:, :cut].sum())
     assert bool((out.metrics["probs_ratio"] == 1).all())
+
+
+def test_fused_attention_is_detected_in_any_sub_model():
+    """The trainer's backward runs in strict deterministic mode exactly where a sub-model runs
+    fused attention (production Gemma3's SigLIP tower); eager models keep the default mode."""
+    from rlconform.fixtures.families import build_family
+    from rlconform.reference_impl.trainer import fused_attention
+
+    fam = build_family("gemma3")
+    assert not fused_attention(fam.build_model(seed=0))
+    vision_sdpa = fam.model_class._from_config(
+        fam.config, attn_implementation={"vision_config": "sdpa", "text_config": "eager",
+                                         "": "eager"})
+    assert fused_attention(vision_sdpa)
+
+
+def test_strict_determinism_is_scoped_and_restores_the_mode():
+    from rlconform.reference_impl.trainer import strict_determinism
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    with strict_determinism():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled()) == before
+    with pytest.raises(ValueError), strict_determinism():
+        raise ValueError("the mode is restored on the way out of an error too")
+    assert (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled()) == before
