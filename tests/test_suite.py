@@ -269,3 +269,26 @@ def test_wandb_only_with_the_flag(tmp_path):
     artifact = next(d for k, d in events if k == "artifact")
     assert set(artifact["files"]) == {"report.json", "report.md", "report.html", "junit.xml"}
     assert events[-1][1]["mode"] == "offline", "wandb must default to offline"
+
+
+def test_a_run_shows_determinism_warnings_and_hides_other_user_warnings(tmp_path):
+    """A clause run silences libraries' UserWarnings but not PyTorch's determinism warnings
+    (a kernel without a deterministic implementation under warn_only says so only there)."""
+    (tmp_path / "warns.py").write_text(textwrap.dedent("""
+        import warnings, pytest
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_call(item):
+            warnings.warn("Flash Attention defaults to a non-deterministic algorithm.")
+            warnings.warn("index_add_cuda_ does not have a deterministic implementation")
+            warnings.warn("a library's chatter")
+            yield
+    """))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = subprocess.run(
+        [sys.executable, "-m", "rlconform.conformance.cli", "run", "--backend", "reference",
+         "--workers", "0", "--report-dir", str(tmp_path / "r"), "-k", "test_no_aliasing",
+         "-p", "warns"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "non-deterministic algorithm" in out.stdout, out.stdout[-2000:]
+    assert "does not have a deterministic implementation" in out.stdout, out.stdout[-2000:]
+    assert "chatter" not in out.stdout, out.stdout[-2000:]
