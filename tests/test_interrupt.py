@@ -156,3 +156,70 @@ def test_a_test_whose_worker_died_is_an_error_and_an_interrupted_one_is_unreport
     assert crashed["outcome"] == "error" and crashed["clauses"] == ["DP-TAGS"], crashed
     assert "crashed while running" in crashed["message"]
     assert "m.py::test_b" not in st.reported
+
+
+# -- rlconform mutants: options -------------------------------------------------------------
+def test_mutants_refuses_an_option_it_does_not_take_before_any_worker_starts(tmp_path):
+    """`--workers` belongs to `rlconform run`; `mutants` used to hand it to every mutant's
+    pytest run, which refused it, and printed "SURVIVED ... no report written" for all 96."""
+    for args, names in ((["--workers", "2"], ["--workers", "--jobs"]),
+                        (["-n", "2"], ["-n", "--jobs"]),
+                        (["--wrokers=2"], ["--wrokers=2"]),
+                        (["--profile", "fast"], ["--profile", "invalid choice"]),
+                        (["--backend", "reference"], ["--backend", "--only"])):
+        proc = subprocess.run([*CLI, "mutants", "--report-dir", str(tmp_path), "--jobs", "1",
+                               "--only", "aliasing_put", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "usage: rlconform mutants" in proc.stderr, proc.stderr
+        for name in names:
+            assert name in proc.stderr, (args, proc.stderr)
+        assert "SURVIVED" not in proc.stdout and "survived" not in proc.stdout, proc.stdout
+        assert not (tmp_path / "mutants").exists(), "a worker started"
+
+
+def test_mutants_passes_through_the_options_meant_for_each_run():
+    from rlconform.conformance.runner import mutant_args_problem
+
+    assert mutant_args_problem(["--profile", "ci", "--device", "cpu", "--dtype", "bfloat16",
+                                "--model-size", "tiny", "--seed", "3", "--require",
+                                "bfloat16", "-k", "test_ranks", "-m", "not slow",
+                                "--surfaces=transport", "--expectations", "w.toml"]) is None
+    assert "--workers" in mutant_args_problem(["--workers", "2"])
+    assert "'--frobnicate'" in mutant_args_problem(["-k", "x", "--frobnicate"])
+
+
+@pytest.mark.slow
+def test_a_mutant_run_that_wrote_no_report_is_an_error_not_a_survivor(tmp_path):
+    """`--require` passes through and is checked by the plugin in each mutant's run: an
+    unknown capability is a usage error there, and no report is written. That mutant has no
+    verdict: an ERROR of the matrix run (exit 1), never "survived", and its claims are not
+    counted as claims that did not kill."""
+    proc = subprocess.run([*CLI, "mutants", "--report-dir", str(tmp_path), "--jobs", "1",
+                           "--only", "aliasing_put", "--require", "no_such_capability"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    progress = [ln for ln in proc.stdout.splitlines() if ln.startswith("[1/1")]
+    assert len(progress) == 1 and "ERROR" in progress[0] and "SURVIVED" not in progress[0], out
+    assert "no report written (its pytest run exited with USAGE_ERROR" in progress[0], out
+    assert "gave no verdict" in out and "aliasing_put: no report written" in out, out
+    assert "1 mutants, 0 killed, 0 survived, 1 errors (no verdict)" in out, out
+    assert "survived: " not in out, out
+    matrix = json.loads((tmp_path / "mutants" / "kill_matrix.json").read_text())
+    assert [e["mutant"] for e in matrix["errors"]] == ["aliasing_put"], matrix
+    assert matrix["claims_not_killed"] == [], matrix
+
+
+def test_reports_show_a_mutant_without_verdict_as_an_error():
+    from rlconform.reports.sample import example_report
+
+    report = example_report()
+    row = report["kill_matrix"]["mutants"][0]
+    row.update(killed=False, failed=[], error="no report written (its pytest run exited with "
+                                               "USAGE_ERROR (a bad option?))")
+    md = render_markdown(report)
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| {row['name']} |"))
+    assert "error: no report written" in line and "survived" not in line, line
+    html = render_html(report)
+    assert "error: no verdict" in html and "no report written" in html
