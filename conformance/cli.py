@@ -1,8 +1,8 @@
 """`rlconform`: run the suite, list backends and clauses, run the mutants, diff and gate reports,
 and put every backend's report on one scoreboard.
 
-Exit codes: 0 success; 1 a clause failed / the gate failed / a mutant survived; 2 usage error or
-an invalid report.
+Exit codes: 0 success; 1 a clause failed / the gate failed / a mutant survived or its run gave no
+verdict (an error of the kill matrix); 2 usage error or an invalid report.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def _cmd_clauses(a, extra) -> int:
 
 
 def _cmd_mutants(a, extra) -> int:
-    from rlconform.conformance.runner import kill_matrix
+    from rlconform.conformance.runner import kill_matrix, no_verdict
 
     def progress(row: dict, done: int, total: int, elapsed: float) -> None:
-        mark = "killed  " if row["killed"] else "SURVIVED"
+        mark = "ERROR   " if no_verdict(row) else "killed  " if row["killed"] else "SURVIVED"
         by = ", ".join(c for c in row["failed"] if c in row["expected"]) or "-"
         note = f"  ERROR {row['error']}" if row.get("error") else ""
         if row["missed"] and row["killed"]:
@@ -69,7 +69,13 @@ def _cmd_mutants(a, extra) -> int:
           flush=True)
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
                     on_result=progress)
-    survived = [r["name"] for r in m["mutants"] if not r["killed"]]
+    errors = m["errors"]
+    survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
+    if errors:
+        print(f"ERROR: the runs of {len(errors)} mutants gave no verdict (neither killed nor "
+              "survived; the kill matrix is incomplete):")
+        for e in errors:
+            print(f"  {e['mutant']}: {e['error']}")
     if survived:
         print(f"survived: {', '.join(survived)}")
     if m["claims_not_killed"]:
@@ -77,9 +83,12 @@ def _cmd_mutants(a, extra) -> int:
               + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
     if m["clauses_without_kill"] and not a.only:
         print(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
-    print(f"{len(m['mutants'])} mutants, {len(survived)} survived, {m['duration_s']} s; "
-          f"{a.report_dir}/mutants/kill_matrix.json")
-    failed = survived or m["claims_not_killed"] or (m["clauses_without_kill"] and not a.only)
+    killed = sum(r["killed"] for r in m["mutants"])
+    print(f"{len(m['mutants'])} mutants, {killed} killed, {len(survived)} survived"
+          + (f", {len(errors)} errors (no verdict)" if errors else "")
+          + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
+    failed = (errors or survived or m["claims_not_killed"]
+              or (m["clauses_without_kill"] and not a.only))
     return 1 if failed else 0
 
 
@@ -133,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("backends", help="list known backends, their surfaces and capabilities")
     c = sub.add_parser("clauses", help="print the clause catalogue")
     c.add_argument("--format", choices=["markdown", "json"], default="markdown")
-    m = sub.add_parser("mutants", help="run every mutant and write the kill matrix")
+    m = sub.add_parser("mutants", help="run every mutant and write the kill matrix; passes "
+                                       "the plugin's options (--profile, --device, ...) and "
+                                       "-k / -m through to each mutant's run")
     m.add_argument("--report-dir", default="reports/out")
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
@@ -160,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                "scoreboard": _cmd_scoreboard}[a.cmd]
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if a.cmd == "mutants":
+        from rlconform.conformance.runner import mutant_args_problem
+
+        problem = mutant_args_problem(extra)
+        if problem:
+            m.error(problem)  # usage, the message, exit 2: before any worker starts
     try:
         return handler(a, extra)
     except (LookupError, ValueError) as exc:

@@ -136,6 +136,15 @@ class RlconformState:
         )
         self._check_requirements(config)
         self.results: dict[str, dict] = {}
+        # node ids whose run is over (a report other than a passed setup): a test interrupted
+        # in its call has a setup report only and must not count as passed
+        self.reported: set[str] = set()
+        # the selected tests (after deselection) and their clauses, known on the controller
+        # once collection ends: a plain run has the items; under xdist the workers send node
+        # ids only (clauses then unknown: {}), see pytest_xdist_node_collection_finished
+        self.selected: dict[str, list[str]] | None = None
+        self.exitstatus: int | None = None
+        self.interrupted_workers: set[str] = set()
         self.started = time.time()
         self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.report: dict | None = None
@@ -161,6 +170,27 @@ class RlconformState:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not hasattr(self.config, "workerinput"):
             _logreport(self, report)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The selection of a run in one process (deselection is over by now)."""
+        if hasattr(self.config, "workerinput"):
+            return
+        self.selected = {_plain_nodeid(item.nodeid): _clause_ids(item) for item in session.items}
+
+    @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the plugin loads without xdist
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        """The selection under xdist: the controller collects nothing; each worker sends the
+        node ids of its session.items once its collection (and -k / --surfaces deselection,
+        which run in the workers) is over. Every worker selects the same tests."""
+        if self.selected is None:
+            self.selected = {_plain_nodeid(i): [] for i in ids}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """A worker that stopped on Ctrl-C: xdist then reports the test it was running as
+        "crashed"; that test was interrupted, not failed (it counts as not reported)."""
+        if error == "keyboard-interrupt":
+            self.interrupted_workers.add(node.gateway.id)
 
 
 def _state(config: pytest.Config) -> RlconformState:
@@ -479,15 +509,33 @@ def pytest_runtest_makereport(item, call):
 _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
+def _clause_ids(item) -> list[str]:
+    return [i for m in item.iter_markers("clause") for i in m.args]
+
+
+def _plain_nodeid(nodeid: str) -> str:
+    """A test's id without the "@<group>" that xdist's loadgroup (and _suffix_nodeid) append."""
+    return nodeid.split("@" + DEVICE_GROUP)[0]
+
+
 def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
     props = dict(report.user_properties)
-    if CLAUSE_PROP not in props:
-        return
-    # under --dist loadgroup xdist appends "@<group>" to a grouped test's id
-    nodeid = report.nodeid.split("@" + DEVICE_GROUP)[0]
+    nodeid = _plain_nodeid(report.nodeid)
+    clauses = props.get(CLAUSE_PROP)
+    if clauses is None:
+        # xdist reports a test whose worker died (when "???") without the item's properties
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if worker is not None and worker.id in st.interrupted_workers:
+            return  # interrupted, not crashed: the test did not report
+        known = st.results.get(nodeid) or {}
+        clauses = known.get("clauses") or (st.selected or {}).get(nodeid)
+        if not clauses:
+            return
+    if report.when in ("call", "teardown") or not report.passed:
+        st.reported.add(nodeid)
     r = st.results.setdefault(nodeid, {
         "nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
-        "clauses": props[CLAUSE_PROP], "metrics": [], "hypothesis": None, "waived": False,
+        "clauses": clauses, "metrics": [], "hypothesis": None, "waived": False,
     })
     r["duration_s"] += report.duration
     if report.when == "call":
@@ -529,6 +577,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if hasattr(config, "workerinput"):
         return
     st = _state(config)
+    st.exitstatus = exitstatus
     from rlconform.conformance.report_builder import build_report
 
     report = build_report(st, config)
@@ -590,7 +639,7 @@ def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
     s = report["summary"]
     tr.write_sep("=", f"rlconform: {report['backend']}")
     for c in report["clauses"]:
-        if c["status"] != "passed":
+        if c["status"] != "passed" or c["message"]:  # a passed clause's note: partial evidence
             tr.write_line(f"  {c['status'].upper():15} {c['id']}: {c['message'][:160]}")
     for p in report["problems"]:
         tr.write_line(f"  PROBLEM         {p}")

@@ -138,7 +138,11 @@ def _metrics(tests: list[dict]) -> dict:
 
 def build_report(st, config) -> dict:
     by_clause: dict[str, list[dict]] = defaultdict(list)
-    for r in st.results.values():
+    # a test counts once its run is over; one stopped inside its call (Ctrl-C, a timeout's
+    # SIGINT) has a passed setup only, and is counted among the tests that did not report
+    done = [r for nodeid, r in st.results.items() if nodeid in st.reported]
+    unreported = Unreported(st, config)
+    for r in done:
         for cid in r["clauses"]:
             by_clause[cid].append(r)
     clauses = []
@@ -163,6 +167,9 @@ def build_report(st, config) -> dict:
             message = f"{failing[0]['nodeid'].split('::')[-1]}: {failing[0]['message']}"
         else:
             message = ""
+        partial = unreported.clause_note(c.id)
+        if partial and status != "not_applicable":
+            message = f"{partial}; {message}" if message else partial
         clauses.append({
             "id": c.id, "title": c.must, "surface": c.surface,
             "capabilities": list(c.capabilities), "required": c.required,
@@ -179,8 +186,11 @@ def build_report(st, config) -> dict:
 
     summary = summarize_clauses(clauses)
     problems = list(st.problems)
-    if not st.results:
+    if not done:
         problems.append("no clause test ran")
+    unfinished = unreported.problem()
+    if unfinished:
+        problems.append(unfinished)
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": st.backend.name,
@@ -194,6 +204,142 @@ def build_report(st, config) -> dict:
         "mutant_effects": _beside_mutants(config, st.backend.name, "mutant_effects.json"),
         "problems": problems,
     }
+
+
+INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED (this module does not import pytest)
+CLAUSES_LISTED = 20  # clause ids named in the problem; the rest are counted
+
+
+class Unreported:
+    """The selected tests of a run that did not report (the run was interrupted: Ctrl-C,
+    `timeout -s INT`; or stopped early: -x, --maxfail), with their clauses."""
+
+    def __init__(self, st, config):
+        self.interrupted = st.exitstatus == INTERRUPTED
+        self.exit_name = _exit_name(st.exitstatus)
+        self.reported = len({n for n in st.reported if n in st.results})
+        self.selected = None if st.selected is None else len(st.selected)
+        self.missing: list[str] = []
+        if st.selected is not None and not config.getoption("collectonly", False):
+            self.missing = [n for n in st.selected if n not in st.reported]
+        # clause -> (selected tests, of them not reported), for clauses with a missing test
+        self.by_clause: dict[str, list[int]] = {}
+        self.unknown: list[str] = []  # test functions whose clauses are not known
+        if self.missing:
+            clauses = _clause_lookup(st)
+            missing = set(self.missing)
+            for nodeid in st.selected:
+                ids = clauses(nodeid)
+                if not ids and nodeid in missing:
+                    function = nodeid.split("[", 1)[0]
+                    if function not in self.unknown:
+                        self.unknown.append(function)
+                for cid in ids:
+                    counts = self.by_clause.setdefault(cid, [0, 0])
+                    counts[0] += 1
+                    counts[1] += nodeid in missing
+            self.by_clause = {c: n for c, n in self.by_clause.items() if n[1]}
+
+    def clause_note(self, clause_id: str) -> str:
+        """'' or what a clause's status rests on, e.g. "partial: 1 of 2 selected tests
+        reported (run interrupted)"."""
+        if clause_id not in self.by_clause:
+            return ""
+        selected, missing = self.by_clause[clause_id]
+        why = "run interrupted" if self.interrupted else f"run stopped: {self.exit_name}"
+        return f"partial: {selected - missing} of {selected} selected tests reported ({why})"
+
+    def problem(self) -> str | None:
+        if self.selected is None:
+            if not self.interrupted:
+                return None
+            return (f"run interrupted before every selected test reported: {self.reported} "
+                    "tests reported, the selection is unknown (interrupted before collection "
+                    "ended); clause results are partial")
+        if not self.missing:
+            return None
+        how = "interrupted" if self.interrupted else \
+            f"stopped early (exit status {self.exit_name}: -x, --maxfail, ...)"
+        text = (f"run {how} before every selected test reported: "
+                f"{self.selected - len(self.missing)} of {self.selected} tests reported; "
+                "clause results are partial")
+        order = {c.id: i for i, c in enumerate(catalogue.CLAUSES)}
+        ids = sorted(self.by_clause, key=lambda i: (order.get(i, len(order)), i))
+        if ids:
+            text += f"; clauses whose tests did not all report: {_some(ids)}"
+        if self.unknown:
+            text += f"; tests of unknown clauses that did not report: {_some(self.unknown)}"
+        return text
+
+
+def _some(names: list[str]) -> str:
+    more = len(names) - CLAUSES_LISTED
+    return ", ".join(names[:CLAUSES_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def _exit_name(code) -> str:
+    names = {0: "OK", 1: "TESTS_FAILED", 2: "INTERRUPTED", 3: "INTERNAL_ERROR",
+             4: "USAGE_ERROR", 5: "NO_TESTS_COLLECTED"}
+    return "unknown" if code is None else names.get(int(code), str(code))
+
+
+def _clause_lookup(st):
+    """nodeid -> its clause ids. A plain run knows every selected item's clauses; under xdist
+    the controller has the node ids only: a test takes the clauses of a test of the same
+    function that reported (clause marks are function decorators), else those of the
+    function's `@pytest.mark.clause` decorators in its module's source."""
+    by_function: dict[str, list[str]] = {}
+    for nodeid, r in st.results.items():
+        by_function.setdefault(nodeid.split("[", 1)[0], r["clauses"])
+    root = Path(str(getattr(st.config, "rootpath", ".")))
+
+    def lookup(nodeid: str) -> list[str]:
+        function = nodeid.split("[", 1)[0]
+        return ((st.selected or {}).get(nodeid) or by_function.get(function)
+                or _marked_clauses(root, function))
+
+    return lookup
+
+
+def _marked_clauses(root: Path, function: str) -> list[str]:
+    """The clause ids of `@pytest.mark.clause(...)` decorators on a test function, read from
+    its module's source (`path::name` or `path::Class::name`), without importing it; [] when
+    not found."""
+    path, _, name = function.partition("::")
+    name = name.rsplit("::", 1)[-1]
+    import rlconform.conformance.clauses as clauses
+
+    # the node id's path is relative to the rootdir, which pytest derives from existing paths
+    # among the arguments (an existing --report-dir can move it): try the clause package too
+    for candidate in (root / path, Path(clauses.__file__).parent / Path(path).name):
+        for ids in _functions(str(candidate)).get(name, []):
+            return ids
+    return []
+
+
+_SOURCE_MARKS: dict[str, dict[str, list[list[str]]]] = {}
+
+
+def _functions(path: str) -> dict[str, list[list[str]]]:
+    """Function name -> the clause ids of its clause marks, for one test module's source."""
+    if path not in _SOURCE_MARKS:
+        import ast
+
+        found: dict[str, list[list[str]]] = {}
+        try:
+            tree = ast.parse(Path(path).read_text())
+        except (OSError, SyntaxError, ValueError):
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            ids = [a.value for d in node.decorator_list if isinstance(d, ast.Call)
+                   and isinstance(d.func, ast.Attribute) and d.func.attr == "clause"
+                   for a in d.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if ids:
+                found.setdefault(node.name, []).append(ids)
+        _SOURCE_MARKS[path] = found
+    return _SOURCE_MARKS[path]
 
 
 NOT_DECLARED = "not declared by the backend (it gave no reason)"

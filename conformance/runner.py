@@ -224,16 +224,33 @@ def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
             gc.freeze()
 
 
-def _collect(name: str, report_dir: Path) -> dict:
+def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict:
+    """One mutant's result from its report. `error` (no verdict: neither killed nor survived)
+    when its pytest run wrote no report, ended on a usage error, an internal error or an
+    interrupt, or ran no clause test."""
     path = report_dir / "mutants" / f"mutant_{name}" / "report.json"
+    bad_exit = _BAD_EXITS.get(code) if isinstance(code, int) else None
     if not path.is_file():
+        why = f"its pytest run exited with {bad_exit or code}" if code is not None else \
+            "its pytest run"
         return {"name": name, "failed": [], "ran": [], "duration_s": 0.0,
-                "error": "no report written"}
+                "error": f"no report written ({why})"}
     report = json.loads(path.read_text())
     failed = [c["id"] for c in report["clauses"] if c["status"] in ("failed", "error")]
     ran = [c["id"] for c in report["clauses"] if c["status"] != "not_applicable"]
-    return {"name": name, "failed": failed, "ran": ran,
-            "duration_s": report["provenance"].get("duration_s", 0.0)}
+    out = {"name": name, "failed": failed, "ran": ran,
+           "duration_s": report["provenance"].get("duration_s", 0.0)}
+    if bad_exit:
+        out["error"] = f"its pytest run exited with {bad_exit}"
+    elif "no clause test ran" in (report.get("problems") or ()):
+        out["error"] = "its run ran no clause test (its claimed clauses deselected?)"
+    return out
+
+
+# pytest exit codes after which a mutant's report is no verdict
+_BAD_EXITS = {int(pytest.ExitCode.INTERRUPTED): "INTERRUPTED",
+              int(pytest.ExitCode.INTERNAL_ERROR): "INTERNAL_ERROR",
+              int(pytest.ExitCode.USAGE_ERROR): "USAGE_ERROR (a bad option?)"}
 
 
 class _Worker:
@@ -272,6 +289,67 @@ def _previous_durations(report_dir: Path) -> dict[str, float]:
         return {}
 
 
+def no_verdict(row: dict) -> bool:
+    """A kill-matrix row whose mutant run failed (no report, a usage error, ...) and killed
+    nothing: an error of the matrix run, never a survivor."""
+    return bool(row.get("error")) and not row["killed"]
+
+
+# Options `rlconform mutants` passes through to every mutant's pytest run: the plugin's (less
+# those the matrix sets itself) and pytest's test selection. Anything else is refused before a
+# worker starts: pytest would refuse it in every mutant's run, and no mutant would be judged.
+MUTANT_SELECTION_OPTIONS = ("-k", "-m")
+MUTANT_REFUSED = {
+    "--backend": "each mutant is the backend of its own run; use --only NAME ...",
+    "--no-report": "the kill matrix reads each mutant's report",
+    "--report-dir": "give it to `rlconform mutants --report-dir`",
+    "--workers": "`rlconform run` takes --workers; `rlconform mutants` takes --jobs N "
+                 "(worker processes)",
+    "-n": "`rlconform mutants` takes --jobs N (worker processes), not pytest-xdist's -n",
+    "--numprocesses": "`rlconform mutants` takes --jobs N (worker processes), not "
+                      "pytest-xdist's -n",
+}
+
+
+def mutant_args_problem(extra: list[str]) -> str | None:
+    """Why `extra` cannot be passed to every mutant's pytest run (naming the first option at
+    fault), or None. Allowed: the plugin's options (see `rlconform run --help`; values are
+    checked as the plugin checks them) and -k / -m."""
+    import argparse
+
+    from rlconform.conformance.plugin import OPTIONS
+
+    class _Refuse(Exception):
+        pass
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):  # noqa: D401 - argparse's hook
+            raise _Refuse(message)
+
+    parser = _Parser(prog="rlconform mutants", add_help=False, allow_abbrev=False)
+    for flag, kw in OPTIONS:
+        if flag not in MUTANT_REFUSED:
+            parser.add_argument(flag, **kw)
+    for flag in MUTANT_SELECTION_OPTIONS:
+        parser.add_argument(flag)
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag in MUTANT_REFUSED or (flag.startswith("-n") and flag[2:].isdigit()):
+            key = "-n" if flag.startswith("-n") else flag
+            return f"option {flag} is not taken by `rlconform mutants`: {MUTANT_REFUSED[key]}"
+    try:
+        _, unknown = parser.parse_known_args(extra)
+    except _Refuse as exc:
+        return f"{exc}"
+    if unknown:
+        allowed = ", ".join([f for f, _ in OPTIONS if f not in MUTANT_REFUSED]
+                            + list(MUTANT_SELECTION_OPTIONS))
+        return (f"unrecognized argument {unknown[0]!r}"
+                + (f" (and {' '.join(unknown[1:])})" if unknown[1:] else "")
+                + f"; `rlconform mutants` passes through only {allowed} to each mutant's run")
+    return None
+
+
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
                 full: bool = False, on_result=None) -> dict:
@@ -281,6 +359,9 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     `on_result(row, done, total, elapsed_s)` is called as each mutant finishes."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
+    problem = mutant_args_problem(extra)
+    if problem:
+        raise ValueError(problem)
     if "--profile" not in extra:
         extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
     jobs = max(1, jobs or os.cpu_count() or 2)
@@ -322,8 +403,9 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
     rows: dict[str, dict] = {}
 
-    def finish(name: str, error: str | None) -> None:
-        r = _collect(name, report_dir)
+    def finish(name: str, code: int | str | None) -> None:
+        r = _collect(name, report_dir, code)
+        error = code if isinstance(code, str) else None
         m = mutants[name]
         row = {"name": name, "defect": m.defect, "surface": m.surface,
                "expected": expected[name], "ran": r["ran"], "failed": r["failed"],
@@ -356,8 +438,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
             line = w.results.readline()
             if line:
                 res = json.loads(line)
-                code = res["code"]
-                finish(res["name"], code if isinstance(code, str) else None)
+                finish(res["name"], res["code"])
                 feed(w)
                 continue
             # the worker died: record its mutant, replace the worker
@@ -377,8 +458,12 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         "mutants": ordered,
         "selection": "all clauses" if full else "claims: the clauses that name the mutant",
         "clauses_without_kill": [c.id for c in catalogue.CLAUSES if c.id not in killers],
+        # a mutant whose run gave no verdict is an error of the matrix run, not a survivor,
+        # and its claims are not judged
+        "errors": [{"mutant": r["name"], "error": r["error"]} for r in ordered
+                   if no_verdict(r)],
         "claims_not_killed": [{"mutant": r["name"], "clause": c} for r in ordered
-                              for c in r["missed"]],
+                              if not no_verdict(r) for c in r["missed"]],
         "duration_s": round(time.time() - t0, 2),
     }
     out = report_dir / "mutants"

@@ -338,6 +338,7 @@ def render_html(report: Mapping[str, Any]) -> str:
                     "name": m["name"],
                     "defect": m.get("defect") or "",
                     "killed": m["killed"],
+                    "error": "" if m["killed"] else m.get("error") or "",
                     "cells": [kill_cell(m, c) for c in columns],
                 }
                 for m in sorted(km["mutants"], key=lambda m: (m["killed"], m["name"]))

@@ -232,7 +232,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             rows.append(
                 [
                     escape(m["name"]),
-                    "✅ killed" if m["killed"] else "❌ survived",
+                    "✅ killed" if m["killed"] else
+                    f"💥 error: {escape(m['error'], NOTE_LIMIT)}" if m.get("error") else
+                    "❌ survived",
                     escape(", ".join(m["expected"]) or "—"),
                     escape(", ".join(missed) or "—"),
                     escape(", ".join(extra) or "—"),
