@@ -285,61 +285,21 @@ def _exit_name(code) -> str:
 
 def _clause_lookup(st):
     """nodeid -> its clause ids. A plain run knows every selected item's clauses; under xdist
-    the controller has the node ids only: a test takes the clauses of a test of the same
-    function that reported (clause marks are function decorators), else those of the
-    function's `@pytest.mark.clause` decorators in its module's source."""
-    by_function: dict[str, list[str]] = {}
-    for nodeid, r in st.results.items():
-        by_function.setdefault(nodeid.split("[", 1)[0], r["clauses"])
-    root = Path(str(getattr(st.config, "rootpath", ".")))
+    the controller has the node ids only: a test takes the clauses its function's
+    `@pytest.mark.clause` marks name (`docs.tests_by_clause`, keyed by module file and name)."""
+    from rlconform.conformance.docs import tests_by_clause
+
+    by_function: dict[str, list[str]] = defaultdict(list)
+    for cid, functions in tests_by_clause().items():
+        for function in functions:
+            by_function[function].append(cid)
 
     def lookup(nodeid: str) -> list[str]:
-        function = nodeid.split("[", 1)[0]
-        return ((st.selected or {}).get(nodeid) or by_function.get(function)
-                or _marked_clauses(root, function))
+        path, _, name = nodeid.split("[", 1)[0].partition("::")
+        return ((st.selected or {}).get(nodeid)
+                or by_function.get(f"{Path(path).name}::{name.rsplit('::', 1)[-1]}", []))
 
     return lookup
-
-
-def _marked_clauses(root: Path, function: str) -> list[str]:
-    """The clause ids of `@pytest.mark.clause(...)` decorators on a test function, read from
-    its module's source (`path::name` or `path::Class::name`), without importing it; [] when
-    not found."""
-    path, _, name = function.partition("::")
-    name = name.rsplit("::", 1)[-1]
-    import rlconform.conformance.clauses as clauses
-
-    # the node id's path is relative to the rootdir, which pytest derives from existing paths
-    # among the arguments (an existing --report-dir can move it): try the clause package too
-    for candidate in (root / path, Path(clauses.__file__).parent / Path(path).name):
-        for ids in _functions(str(candidate)).get(name, []):
-            return ids
-    return []
-
-
-_SOURCE_MARKS: dict[str, dict[str, list[list[str]]]] = {}
-
-
-def _functions(path: str) -> dict[str, list[list[str]]]:
-    """Function name -> the clause ids of its clause marks, for one test module's source."""
-    if path not in _SOURCE_MARKS:
-        import ast
-
-        found: dict[str, list[list[str]]] = {}
-        try:
-            tree = ast.parse(Path(path).read_text())
-        except (OSError, SyntaxError, ValueError):
-            tree = None
-        for node in ast.walk(tree) if tree is not None else ():
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            ids = [a.value for d in node.decorator_list if isinstance(d, ast.Call)
-                   and isinstance(d.func, ast.Attribute) and d.func.attr == "clause"
-                   for a in d.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            if ids:
-                found.setdefault(node.name, []).append(ids)
-        _SOURCE_MARKS[path] = found
-    return _SOURCE_MARKS[path]
 
 
 NOT_DECLARED = "not declared by the backend (it gave no reason)"
