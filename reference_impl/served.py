@@ -181,6 +181,12 @@ class ServedDataPlane(InMemoryDataPlane):
                     method, args = _recv(conn)
                 except (EOFError, OSError):
                     return
+                except TypeError:
+                    # stop() closed this connection under the blocked read (its handle is now
+                    # None, which multiprocessing reports as a TypeError)
+                    if conn.closed:
+                        return
+                    raise
                 try:
                     answer = ("ok", self._call(method, args))
                 except Exception as exc:  # noqa: BLE001 - every error goes back to the caller
