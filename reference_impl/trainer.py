@@ -271,7 +271,7 @@ class GRPOCore:
             None if gen is None else gen.to(dev))
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     # -- data parallelism across processes (reference_impl/ranks.py) ---------------------
     def reduce_gradients(self) -> None:

@@ -177,7 +177,7 @@ def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
             f"{differ[:3]}"
         kept = None
     else:
-        kept = {k: v.detach().cpu().clone() for k, v in start.items()}
+        kept = {k: v.detach().to("cpu", copy=True) for k, v in start.items()}
     if model_copy is not None:
         model_copy.load_state_dict(start)
     del start

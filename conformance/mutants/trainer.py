@@ -158,7 +158,7 @@ def stale_reference_weights():
 class _RefitAtStep1(DataPlaneTrainer):
     def state_dict(self):
         if self.core.steps == 1:  # the defect: step 1's refit pushes the initial checkpoint
-            return {k: v.detach().cpu().clone()
+            return {k: v.detach().to("cpu", copy=True)
                     for k, v in self.core.reference_model.state_dict().items()}
         return super().state_dict()
 
