@@ -250,7 +250,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
                                     f"known: {', '.join(SURFACES)}")
         kept, dropped = [], []
         for item in items:
-            ids = [i for m in item.iter_markers("clause") for i in m.args]
+            ids = _clause_ids(item)
             on = any(i in catalogue.BY_ID and set(catalogue.BY_ID[i].surfaces) & keep_surfaces
                      for i in ids)
             (kept if on else dropped).append(item)
@@ -260,7 +260,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
     _deselect_sizeless_families(config, items)
     _one_device_group(config, items)
     for item in items:
-        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        ids = _clause_ids(item)
         if not ids:
             errors.append(f"{item.nodeid} is tied to no clause (@pytest.mark.clause)")
             continue
@@ -300,7 +300,7 @@ def _deselect_sizeless_families(config: pytest.Config, items) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         family = callspec.params.get("family") if callspec else None
-        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        ids = _clause_ids(item)
         on_models = any(catalogue.BY_ID[i].surface in MODEL_SURFACES for i in ids
                         if i in catalogue.BY_ID)
         if isinstance(family, str) and on_models and not has_size(family, size):
@@ -330,7 +330,7 @@ def _one_device_group(config: pytest.Config, items) -> None:
         return
     grouped, rest = [], []
     for item in items:
-        ids = [i for m in item.iter_markers("clause") for i in m.args]
+        ids = _clause_ids(item)
         if any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
                for i in ids):
             callspec = getattr(item, "callspec", None)

@@ -326,7 +326,7 @@ def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
     if "advantages" not in kw:
         kw.update(rewards=_rewards(len(batch)), group_size=GROUP)
     legacy_trainer = backend.trainer(settings)
-    initial = {k: v.detach().to("cpu", copy=True) for k, v in legacy_trainer.model.state_dict().items()}
+    initial = legacy_trainer.state_dict()
     legacy = legacy_step(batch, legacy_trainer, meta_cls=meta_cls, **kw)
     record_metric("grad_norm", dp.grad_norm)
     record_metric("probs_ratio", dp.metrics["probs_ratio"])
