@@ -60,10 +60,14 @@ def loss_reorder_tol(n_tokens: int, l1: float) -> float:
 # Per-parameter gradients and the grad norm of one step cut two ways (or recomputed): relative
 # L2 difference. fp32: the reductions over tokens and rows run in another order (gamma_n as
 # above, per element); measured <= 1.5e-7 on CPU (recompute: 6.7e-8), tolerance ~70x that.
-# bf16: .grad accumulates in bfloat16 (u = 2**-8 = 3.9e-3, one rounding per micro-batch);
-# measured <= 3.9e-3 (recompute: 3.5e-3), tolerance 8u (gamma_8: up to 8 accumulations per
-# step here). The defects the clauses exist for move the gradient by >= 0.67 (relative L2).
-GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8 * UNIT_ROUNDOFF[torch.bfloat16]}
+# bf16: .grad accumulates in bfloat16 (u = 2**-8 = 3.9e-3, one rounding per micro-batch), and
+# every op of the bf16 backward rounds again: another split gives other GEMM shapes (other
+# kernels) in every layer, so the noise grows with depth. Measured at tiny width <= 3.9e-3
+# (recompute: 3.5e-3); at production width on an H200 (nightly, 2026-12-03) 2.2e-3 for
+# Qwen2.5-1.5B and 0.033 for Qwen2-VL-2B (28 decoder + 32 vision layers; worst tensor 0.039, in
+# the first decoder layer, the end of the backward). Tolerance 16u = 2**-4. The defects the
+# clauses exist for move the gradient by >= 0.67 (relative L2).
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 16 * UNIT_ROUNDOFF[torch.bfloat16]}
 # The weight update (W_after - W_before) of one step cut two ways: relative L2 difference.
 # AdamW's first step moves each weight by lr * g / (|g| + eps), about +-lr whatever |g|, so
 # the update follows the sign of each gradient entry: entries within the reorder noise of 0
@@ -75,6 +79,16 @@ UPDATE_RTOL = {torch.float32: 1e-3, torch.bfloat16: 0.25}
 # above and below the clip range (clip 0.2) and inside it, none on a bound, so with advantages
 # of both signs every branch of the clipped surrogate is taken.
 CLOSED_FORM_RATIOS = (2.0, 0.5, 1.1, 0.9, 1.5, 0.7)
+# TRAIN-LEGACY-PARITY where the model runs fused attention (SDPA/flash) on CUDA: the updated
+# weights of each top-level module, |W_dp - W_legacy| / |W_legacy - W_0| (relative L2).
+# Production Gemma3-4B's SigLIP tower runs SDPA (eager needs > 135 GiB at 4096 patches an
+# image), and its backward is not reproducible even in PyTorch's strict deterministic mode: on
+# an H200 (nightly, 2026-12-03, two runs, the second with the backward in strict mode) the two
+# paths gave bitwise-equal loss, per-token metrics and grad norm, and tower weights that differ
+# in 365-369 of its tensors, about 2% of its entries, 0.011-0.013 of the tower's update.
+# Tolerance 2**-4 (~5x). A step that drops or swaps images leaves the tower without its
+# gradient or with another one: O(1) of its update. Loss, metrics and grad norm stay bitwise.
+FUSED_ATTENTION_UPDATE_RTOL = 2.0 ** -4
 # Step loss vs the closed form (and vs the autograd recompute), relative to the loss's absolute
 # mass: the stored prev is float32 (logp - ln r), rounded at |logp| <~ ln V + 1 ~ 6 (u * 6 ~
 # 4e-7 relative per token's ratio), plus the reorder bound; measured <= 3.3e-8 (recompute:
@@ -131,7 +145,12 @@ TRAINER_CLAUSES: list[Clause] = [
         "legacy gave None",
         ("image_blind_train_fetch", "image_blind_logprob_fetch",
          "per_token_map_missing_in_train", "refit_engine_at_step1"),
-        regime=_BITWISE + "; both paths use the shards of meta.shard_for_dp(world).",
+        regime=_BITWISE + "; both paths use the shards of meta.shard_for_dp(world). Where "
+        "the model runs fused attention (SDPA, flash) on CUDA, its backward is not "
+        "reproducible (production Gemma3-4B's SigLIP tower on an H200): loss, metrics and "
+        "grad norm stay bitwise, and the updated weights of each top-level module agree within "
+        f"{FUSED_ATTENTION_UPDATE_RTOL:g} of that module's update (relative L2; measured "
+        "0.011-0.013).",
     ),
     Clause(
         "TRAIN-TRUNCATION-MEDIA",
@@ -178,8 +197,9 @@ TRAINER_CLAUSES: list[Clause] = [
         "split. Loss: |diff| <= 2 gamma_2N sum|l_t| / N (float32 reordering bound, Higham "
         "s4.2; N loss tokens; measured <= 4.4e-8 sum|l_t| / N). Grad norm and per-parameter "
         f"gradients (relative L2, overall and per tensor): <= {GRAD_RTOL[torch.float32]:g} "
-        f"fp32 (measured 1.5e-7), <= {GRAD_RTOL[torch.bfloat16]:.3g} bf16 (8 u_bf16: .grad "
-        "accumulates in bf16; measured 3.9e-3). Weight update (relative L2): <= "
+        f"fp32 (measured 1.5e-7), <= {GRAD_RTOL[torch.bfloat16]:.3g} bf16 (16 u_bf16: .grad "
+        "accumulates in bf16 and the bf16 backward rounds in every layer; measured 3.9e-3 tiny, "
+        "0.033 at production width, Qwen2-VL-2B). Weight update (relative L2): <= "
         f"{UPDATE_RTOL[torch.float32]:g} fp32, <= {UPDATE_RTOL[torch.bfloat16]:g} bf16 "
         "(AdamW's first step is ~lr * sign(g); measured 2.5e-5, 3.7e-2). Bitwise: "
         "probs_ratio == 1.0 on every loss token of every split (a step's prev and train "

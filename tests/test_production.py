@@ -146,3 +146,33 @@ def test_mutant_effects_render_in_the_report():
     assert "Mutants' effect on the numeric metrics" in md and "| 2661 |" in md
     html = render_html(report)
     assert 'id="mutant-effects"' in html and "image_blind_train_fetch" in html
+
+
+def _outcome(**weights):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(state_dict={k: torch.tensor(v) for k, v in weights.items()})
+
+
+def test_fused_attention_parity_bounds_each_module_by_its_own_update():
+    """The fused-attention regime of TRAIN-LEGACY-PARITY: a module whose weights moved by a
+    small fraction of its update passes, one that missed its update fails and is named."""
+    from rlconform.conformance.clauses.test_trainer import (
+        _assert_same_step,
+        _module_update_gaps,
+    )
+
+    initial = {"model.tower.w": torch.zeros(4), "model.lm.w": torch.zeros(2)}
+    legacy = _outcome(**{"model.tower.w": [1.0, -1.0, 1.0, -1.0], "model.lm.w": [1.0, 1.0]})
+    near = _outcome(**{"model.tower.w": [1.0, -1.0, 1.0, -0.98], "model.lm.w": [1.0, 1.0]})
+    blind = _outcome(**{"model.tower.w": [0.0, 0.0, 0.0, 0.0], "model.lm.w": [1.0, 1.0]})
+    for o in (legacy, near, blind):
+        o.shards, o.loss, o.grad_norm, o.metrics = [[0]], 1.0, 2.0, {}
+    gaps = _module_update_gaps(near, legacy, initial)
+    assert gaps == pytest.approx({"model.tower": 0.01})  # the equal module is not listed
+    _assert_same_step(near, legacy, initial, gaps, 2 ** -4)
+    with pytest.raises(AssertionError, match="differ in 1 tensors"):
+        _assert_same_step(near, legacy, initial)  # no gaps: the bitwise regime
+    with pytest.raises(AssertionError, match=r"tolerance 0.0625 .*: model.tower 1;"):
+        _assert_same_step(blind, legacy, initial, _module_update_gaps(blind, legacy, initial),
+                          2 ** -4)

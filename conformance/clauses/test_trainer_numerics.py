@@ -36,6 +36,7 @@ from rlconform.conformance.catalogue_trainer import (
     UPDATE_RTOL,
     loss_reorder_tol,
 )
+from rlconform.conformance.clauses._memory import new_trainer
 from rlconform.conformance.clauses.test_trainer import GROUP, Rollouts
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
 from rlconform.reference_impl.recording import RecordingTransport
@@ -168,7 +169,7 @@ def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
     keys = mint_keys(len(batch), GROUP, uid)
     rec = RecordingTransport(transport)
     inner = ShiftPrev(rec, batch, keys) if shift else rec
-    trainer = backend.trainer(settings, inner, codec)
+    trainer = new_trainer(backend, settings, inner, codec)
     start = trainer.state_dict()
     if initial is not None:
         differ = [k for k in initial if k not in start or not torch.equal(start[k].cpu(),
