@@ -10,11 +10,7 @@ def new_trainer(backend, *args):
     sits in reference cycles (modules, hooks, optimizer), so dropping it frees nothing until the
     garbage collector runs: at production widths each one holds 20-45 GB of GPU memory (policy,
     frozen reference, AdamW state), and two workers share one GPU (nightly, 2026-12-03: tests
-    that build two or more trainers ran the GPU out of memory). The cache goes back to the
-    driver as well, so the other worker can use it."""
+    that build two or more trainers ran the GPU out of memory). The freed blocks stay in this
+    process's cache for the next trainer; the test's teardown hands them back to the driver."""
     gc.collect()
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
     return backend.trainer(*args)
