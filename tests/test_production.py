@@ -176,3 +176,22 @@ def test_fused_attention_parity_bounds_each_module_by_its_own_update():
     with pytest.raises(AssertionError, match=r"tolerance 0.0625 .*: model.tower 1;"):
         _assert_same_step(blind, legacy, initial, _module_update_gaps(blind, legacy, initial),
                           2 ** -4)
+
+
+def test_production_width_runs_the_splits_the_split_clause_needs(monkeypatch):
+    """TRAIN-SPLIT-INVARIANCE at production width: every kind of cut its mutants need (unequal
+    micro-batches, a token budget, even and uneven ranks), fewer repeats; tiny runs all seven.
+    (Checked against its four mutants with the production set forced: all killed.)"""
+    from rlconform.conformance.clauses.test_trainer_numerics import _PRODUCTION_SPLITS, _splits
+    from rlconform.fixtures.sizes import SIZE_ENV
+
+    tiny = _splits(6, 40)
+    assert len(tiny) == 7 and set(_PRODUCTION_SPLITS) < set(tiny)
+    monkeypatch.setenv(SIZE_ENV, "production")
+    prod = _splits(6, 40)
+    assert list(prod) == [k for k in tiny if k in _PRODUCTION_SPLITS]
+    assert next(iter(prod)) == "one micro-batch"  # the baseline stays first
+    worlds = {w for w, _ in prod.values()}
+    assert {1, 2, 3} <= worlds
+    assert any("max_tokens_per_micro_batch" in kw for _, kw in prod.values())
+    assert any(kw.get("micro_batch_size") == 1 for _, kw in prod.values())
