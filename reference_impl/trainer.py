@@ -112,10 +112,11 @@ def strict_determinism():
     attention's backward picks its deterministic kernel only there: with warn_only=True,
     PyTorch's `_flash_attention_backward` / `_efficient_attention_backward`
     (aten/src/ATen/native/transformers/cuda/attention_backward.cu) warn and accumulate dQ
-    with atomics, so two identical steps update Gemma3-4B's SigLIP weights differently (the
-    nightly production run of 2026-12-03 on an H200). Scoped to the backward of models with
-    fused attention: strict mode raises on any op without a deterministic kernel, and the
-    eager models are bitwise without it."""
+    with atomics. Scoped to the backward of models with fused attention: strict mode raises on
+    any op without a deterministic kernel, and the eager models are bitwise without it.
+    Measured (nightly, 2026-12-03, H200): it raised nothing, yet the data-plane and legacy
+    steps still update Gemma3-4B's SDPA SigLIP tower differently (0.011-0.013 of its update),
+    with or without it; TRAIN-LEGACY-PARITY states that regime."""
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     enabled = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=False)
