@@ -418,6 +418,8 @@ class RankGroup:
             ended, seen = _how_it_ended(p.returncode), problems.get(r)
             problems[r] = ended if seen in (None, ended) else f"{ended} ({seen})"
         dead = sorted(r for r, p in enumerate(self._procs) if p.poll() is not None)
+        for r in dead:
+            self._drain_stages(r)
         order = dead + sorted(r for r in problems if r not in dead)
         lines = []
         for r in order:
@@ -431,6 +433,19 @@ class RankGroup:
         others = [r for r in range(self.world) if r not in problems]
         stopped = f"; ranks {others} were stopped" if others else ""
         raise RankFailed(f"{what} failed on {self.world} ranks{stopped}:\n" + "\n".join(lines))
+
+    def _drain_stages(self, r: int) -> None:
+        """Read what a dead rank sent before it died: its death can be seen before its last
+        stage message is read (a rank killed on entering `train` was reported in the stage
+        before it)."""
+        conn = self._conns[r] if r < len(self._conns) else None
+        try:
+            while conn is not None and conn.poll(0):
+                msg = _recv(conn)
+                if msg[0] in ("stage", "error"):
+                    self._stage[r] = msg[1]
+        except (EOFError, OSError):
+            pass
 
     def _log_tail(self, r: int, n: int = 12) -> str:
         try:

@@ -175,7 +175,7 @@ class ServedDataPlane(InMemoryDataPlane):
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
-        with contextlib.closing(conn):
+        try:
             while True:
                 try:
                     method, args = _recv(conn)
@@ -197,6 +197,11 @@ class ServedDataPlane(InMemoryDataPlane):
                     _send(conn, answer)
                 except (EOFError, OSError):
                     return
+        finally:
+            # stop() may have closed it first, from its own thread: a second close of the
+            # handle fails (EBADF), and there is nothing left to release
+            with contextlib.suppress(OSError):
+                conn.close()
 
     def _call(self, method: str, args: tuple):
         if method == "put":
