@@ -378,3 +378,28 @@ def test_e2e_with_rank_processes_stays_bitwise_with_one_process(tmp_path):
         assert step["bitwise_vs_one_process"] and step["ranks_agree"], step
         assert step["seconds_ranks"] > 0 and step["seconds_one_process"] > 0
     assert not result["left_processes"]
+
+
+def test_a_dead_ranks_last_stage_message_is_read_before_it_is_named(tmp_path):
+    """A rank that reports a stage and dies at once can be seen dead before that message is
+    read: the failure must still name the stage it died in."""
+    import signal
+    import subprocess
+    import sys
+    from multiprocessing import Pipe
+
+    from rlconform.reference_impl.ranks import RankFailed, RankGroup, _send
+
+    driver, rank = Pipe()
+    _send(rank, ("stage", "train"))  # sent, not yet read by the driver
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    proc.wait()
+    group = object.__new__(RankGroup)
+    group.world, group._procs, group._conns = 1, [proc], [driver]
+    group._stage, group._logs, group._listener = ["reference_logprob"], [], None
+    with pytest.raises(RankFailed) as err:
+        group._fail("step 0", {0: "killed"})
+    assert f"rank 0 (pid {proc.pid})" in str(err.value)
+    assert "[stage: train]" in str(err.value), str(err.value)
+    assert -proc.returncode == signal.SIGKILL
