@@ -11,14 +11,17 @@ A backend whose library is not installed is skipped with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -354,3 +357,56 @@ def test_procs_server_stops_by_pid(tmp_path):
     assert _procs.alive(server.pid)
     server.stop()
     assert not _procs.alive(server.pid)
+
+
+class _LoopClient:
+    """A client with a running private loop, as TransferQueue's `_loop` (no library needed)."""
+
+    def __init__(self):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.release = threading.Event()
+        self.closed = []
+        self.storage_manager = SimpleNamespace(
+            storage_client=SimpleNamespace(close=lambda: self.closed.append("store")))
+
+    def block(self) -> None:
+        """Hold the loop the way an abandoned Mooncake get does (a wait inside the loop)."""
+        async def held():
+            self.release.wait()
+
+        asyncio.run_coroutine_threadsafe(held(), self._loop)
+
+    def stop(self) -> None:
+        self.release.set()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_tq_session_closes_its_store_only_when_the_client_loop_is_idle(monkeypatch, busy):
+    """Closing the Mooncake store client while a get the transport gave up on still ran in
+    TransferQueue's client loop segfaulted the test process (2 of 5 store-kill runs): the
+    session must leave a busy store client alone, say so, and still close TransferQueue."""
+    from rlconform.conformance.backends import transferqueue as tqb
+
+    client = _LoopClient()
+    calls = []
+    fake = SimpleNamespace(init=lambda conf: calls.append("init"), get_client=lambda: client,
+                           close=lambda: calls.append("close"))
+    monkeypatch.setattr(tqb, "_tq", lambda: fake)
+    monkeypatch.setattr(tqb, "IDLE_BEFORE_CLOSE_S", 0.3)
+    try:
+        if busy:
+            client.block()
+        with contextlib.ExitStack() as stack:
+            if busy:
+                stack.enter_context(pytest.warns(UserWarning, match="still busy"))
+            with tqb._tq_running({}):
+                pass
+        assert calls == ["init", "close"]
+        assert client.closed == ([] if busy else ["store"])
+    finally:
+        client.stop()
+    assert tqb._loop_idle(SimpleNamespace(_loop=client._loop), 0.3), "a stopped loop is idle"
