@@ -1,4 +1,5 @@
-"""What changed between two reports of one backend: statuses, waivers, tests and metrics.
+"""What changed between two reports of one backend: statuses, waivers, tests, metrics and
+run-level problems (an interrupted run, a waiver naming no clause, ...).
 
 `diff` is descriptive (the gate decides); it puts every change in exactly one clause category so
 that nothing a reader should see is folded away. Metrics are compared only where a tolerance is
@@ -118,6 +119,8 @@ class DiffResult:
     other_status_changes: list[ClauseChange] = field(default_factory=list)
     test_changes: list[TestChange] = field(default_factory=list)
     metric_regressions: list[MetricRegression] = field(default_factory=list)
+    problems_new: list[str] = field(default_factory=list)  # run-level, absent from the old run
+    problems_gone: list[str] = field(default_factory=list)
 
     @property
     def regressed(self) -> bool:
@@ -126,6 +129,7 @@ class DiffResult:
             self.newly_failing
             or self.waivers_expired
             or self.metric_regressions
+            or self.problems_new
             or any(t.kind == "regressed" for t in self.test_changes)
         )
 
@@ -142,6 +146,8 @@ class DiffResult:
                 self.other_status_changes,
                 self.test_changes,
                 self.metric_regressions,
+                self.problems_new,
+                self.problems_gone,
             )
         )
 
@@ -236,6 +242,9 @@ def diff_reports(
                 after[2] if after else "",
             )
         )
+    old_problems, new_problems = old.get("problems") or [], new.get("problems") or []
+    result.problems_new = [p for p in new_problems if p not in old_problems]
+    result.problems_gone = [p for p in old_problems if p not in new_problems]
     return result
 
 
@@ -266,6 +275,9 @@ def render_diff(result: DiffResult) -> str:
             note = first_line(ch.message)
             lines.append(f"  {ch.id}  {arrow}" + (f"  {note}" if note else ""))
 
+    if result.problems_new:
+        lines.append(f"new run problems ({len(result.problems_new)}):")
+        lines.extend(f"  {first_line(p)}" for p in result.problems_new)
     clause_block("newly failing", result.newly_failing)
     clause_block("waivers expired", result.waivers_expired)
     if result.metric_regressions:
@@ -294,4 +306,7 @@ def render_diff(result: DiffResult) -> str:
     clause_block("other status changes", result.other_status_changes)
     clause_block("clauses added", result.clauses_added)
     clause_block("clauses removed", result.clauses_removed)
+    if result.problems_gone:
+        lines.append(f"run problems gone ({len(result.problems_gone)}):")
+        lines.extend(f"  {first_line(p)}" for p in result.problems_gone)
     return "\n".join(lines) + "\n"

@@ -541,6 +541,20 @@ def test_diff_test_level_changes():
     assert "tests regressed (1)" in text and "row 2 lost" in text
 
 
+def test_diff_shows_run_problems_new_as_regression_and_gone():
+    interrupted = "run interrupted before every selected test reported: 115 of 119 tests"
+    old, new = green(), green()
+    new["problems"] = [interrupted]
+    result = diff_reports(old, new)
+    assert result.problems_new == [interrupted] and result.regressed and not result.unchanged
+    text = render_diff(result)
+    assert "new run problems (1)" in text and interrupted in text
+    back = diff_reports(new, old)
+    assert back.problems_gone == [interrupted] and not back.regressed and not back.unchanged
+    assert "run problems gone (1)" in render_diff(back)
+    assert diff_reports(new, copy.deepcopy(new)).unchanged, "a problem both runs had is no change"
+
+
 @pytest.mark.parametrize(
     "cid, name, stats, measure",
     [
