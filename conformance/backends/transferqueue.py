@@ -260,7 +260,7 @@ def _tq_running(conf: dict) -> Iterator[None]:
     finally:
         # Close nothing under a call still in flight: closing the Mooncake store client while
         # an abandoned get's worker thread is inside batch_get_into segfaulted this process
-        # (2 of 5 runs of the store-kill test, mooncake-transfer-engine-non-cuda). If the loop
+        # (3 of 11 runs of the store-kill test, mooncake-transfer-engine-non-cuda). If the loop
         # stays busy, the store client is left to process exit.
         idle = _loop_idle(client, IDLE_BEFORE_CLOSE_S)
         if not idle:
