@@ -159,6 +159,7 @@ def test_fused_attention_parity_bounds_each_module_by_its_own_update():
     small fraction of its update passes, one that missed its update fails and is named."""
     from rlconform.conformance.clauses.test_trainer import (
         _assert_same_step,
+        _differing_weights,
         _module_update_gaps,
     )
 
@@ -168,14 +169,16 @@ def test_fused_attention_parity_bounds_each_module_by_its_own_update():
     blind = _outcome(**{"model.tower.w": [0.0, 0.0, 0.0, 0.0], "model.lm.w": [1.0, 1.0]})
     for o in (legacy, near, blind):
         o.shards, o.loss, o.grad_norm, o.metrics = [[0]], 1.0, 2.0, {}
-    gaps = _module_update_gaps(near, legacy, initial)
+    near_diff, blind_diff = _differing_weights(near, legacy), _differing_weights(blind, legacy)
+    assert near_diff == blind_diff == ["model.tower.w"]
+    gaps = _module_update_gaps(near, legacy, initial, near_diff)
     assert gaps == pytest.approx({"model.tower": 0.01})  # the equal module is not listed
-    _assert_same_step(near, legacy, initial, gaps, 2 ** -4)
+    _assert_same_step(near, legacy, near_diff, initial, gaps, 2 ** -4)
     with pytest.raises(AssertionError, match="differ in 1 tensors"):
-        _assert_same_step(near, legacy, initial)  # no gaps: the bitwise regime
+        _assert_same_step(near, legacy, near_diff, initial)  # no gaps: the bitwise regime
     with pytest.raises(AssertionError, match=r"tolerance 0.0625 .*: model.tower 1;"):
-        _assert_same_step(blind, legacy, initial, _module_update_gaps(blind, legacy, initial),
-                          2 ** -4)
+        _assert_same_step(blind, legacy, blind_diff, initial,
+                          _module_update_gaps(blind, legacy, initial, blind_diff), 2 ** -4)
 
 
 def test_production_width_runs_the_splits_the_split_clause_needs(monkeypatch):

@@ -10,6 +10,7 @@ carry different numbers of loss tokens and a loss aggregated the wrong way shows
 
 from __future__ import annotations
 
+import collections
 import uuid
 
 import pytest
@@ -267,13 +268,21 @@ _PARITY = [(f, c) for f in VLM_FAMILIES for c in _CASES] + [("text", "text"),
                                                              ("text", "text_dp")]
 
 
+def _module_of(key: str) -> str:
+    """The top-level module a weight belongs to (`model.vision_tower`, ...)."""
+    return ".".join(key.split(".")[:2])
+
+
+def _differing_weights(dp, legacy) -> list[str]:
+    """The state-dict keys whose updated weights are not bitwise equal."""
+    return [k for k in legacy.state_dict if not torch.equal(dp.state_dict[k],
+                                                            legacy.state_dict[k])]
+
+
 def _weight_diff_summary(diff: list[str], dp, legacy, initial) -> str:
     """Where the updated weights differ and by how much, relative to the step's own update:
     tells a defect that moves whole tensors from reduction-order noise in a few entries."""
-    parts: dict[str, int] = {}
-    for k in diff:
-        head = ".".join(k.split(".")[:2])
-        parts[head] = parts.get(head, 0) + 1
+    parts = collections.Counter(_module_of(k) for k in diff)
     gap = sum(float((dp.state_dict[k].float() - legacy.state_dict[k].float()).norm()) ** 2
               for k in diff) ** 0.5
     entries = sum(int((dp.state_dict[k] != legacy.state_dict[k]).sum()) for k in diff)
@@ -288,31 +297,29 @@ def _weight_diff_summary(diff: list[str], dp, legacy, initial) -> str:
     return msg
 
 
-def _module_update_gaps(dp, legacy, initial) -> dict[str, float]:
-    """Per top-level module whose weights differ (`model.vision_tower`, ...): |W_dp - W_legacy|
+def _module_update_gaps(dp, legacy, initial, diff: list[str]) -> dict[str, float]:
+    """Per top-level module with weights in `diff` (`_differing_weights`): |W_dp - W_legacy|
     over |W_legacy - W_0| (relative L2, float32 per tensor)."""
-    def head(k: str) -> str:
-        return ".".join(k.split(".")[:2])
-
-    diff = {k for k in legacy.state_dict if not torch.equal(dp.state_dict[k],
-                                                            legacy.state_dict[k])}
-    heads = {head(k) for k in diff}
+    differ = set(diff)
+    heads = {_module_of(k) for k in differ}
     gap = dict.fromkeys(heads, 0.0)
     step = dict.fromkeys(heads, 0.0)
     for k, w in legacy.state_dict.items():
-        if head(k) not in heads:
+        head = _module_of(k)
+        if head not in heads:
             continue
         b = w.float()
-        if k in diff:
-            gap[head(k)] += float(torch.linalg.vector_norm(dp.state_dict[k].float() - b)) ** 2
-        step[head(k)] += float(torch.linalg.vector_norm(b - initial[k].to(b.device).float())) ** 2
+        if k in differ:
+            gap[head] += float(torch.linalg.vector_norm(dp.state_dict[k].float() - b)) ** 2
+        step[head] += float(torch.linalg.vector_norm(b - initial[k].to(b.device).float())) ** 2
     return {h: (gap[h] / step[h]) ** 0.5 if step[h] > 0 else float("inf") for h in heads}
 
 
-def _assert_same_step(dp, legacy, initial=None, gaps: dict[str, float] | None = None,
-                      weight_rtol: float = 0.0) -> None:
-    """Bitwise equal steps; given `gaps` (fused attention on CUDA: `_module_update_gaps`) the
-    updated weights of each top-level module only within `weight_rtol` of its own update."""
+def _assert_same_step(dp, legacy, diff: list[str], initial=None,
+                      gaps: dict[str, float] | None = None, weight_rtol: float = 0.0) -> None:
+    """Bitwise equal steps, `diff` being `_differing_weights(dp, legacy)`; given `gaps` (fused
+    attention on CUDA: `_module_update_gaps`) the updated weights of each top-level module
+    only within `weight_rtol` of its own update."""
     assert dp.shards == legacy.shards, f"DP shards differ: {dp.shards} vs {legacy.shards}"
     assert dp.loss == legacy.loss, f"loss {dp.loss!r} (data plane) != {legacy.loss!r} (legacy)"
     assert dp.grad_norm == legacy.grad_norm, \
@@ -324,8 +331,6 @@ def _assert_same_step(dp, legacy, initial=None, gaps: dict[str, float] | None = 
         assert a.shape == b.shape and torch.equal(a, b), \
             f"metric {k!r} differs: max |diff| " \
             f"{(a - b).abs().max().item() if a.shape == b.shape else 'shape'}"
-    diff = [k for k in legacy.state_dict if not torch.equal(dp.state_dict[k],
-                                                            legacy.state_dict[k])]
     if gaps is None:
         assert not diff, _weight_diff_summary(diff, dp, legacy, initial)
         return
@@ -366,7 +371,8 @@ def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
     # fused attention's backward on CUDA is not reproducible (FUSED_ATTENTION_UPDATE_RTOL)
     fused = torch.device(settings.device).type == "cuda" and \
         fused_attention(getattr(legacy_trainer, "model", torch.nn.Module()))
-    gaps = _module_update_gaps(dp, legacy, initial) if fused else None
+    diff = _differing_weights(dp, legacy)  # once: a full pass over the weights (8.6 GB, Gemma3)
+    gaps = _module_update_gaps(dp, legacy, initial, diff) if fused else None
     if gaps is not None:
         record_metric("legacy_update_rel_diff", max(gaps.values(), default=0.0))
     if case == "dp_media_free_shard":
@@ -376,7 +382,7 @@ def test_data_plane_step_equals_legacy_step(backend, transport, codec, meta_cls,
     assert legacy.grad_norm > 0, "test setup: zero gradient makes the comparison vacuous"
     assert any(not torch.equal(initial[k], legacy.state_dict[k]) for k in initial), \
         "test setup: the step changed no weight"
-    _assert_same_step(dp, legacy, initial, gaps, FUSED_ATTENTION_UPDATE_RTOL)
+    _assert_same_step(dp, legacy, diff, initial, gaps, FUSED_ATTENTION_UPDATE_RTOL)
 
 
 # -- TRAIN-TRUNCATION-MEDIA ---------------------------------------------------------------
