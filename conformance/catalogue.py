@@ -147,12 +147,15 @@ _DATA_PLANE_CLAUSES = [
     ),
     Clause(
         "WIRE-DTYPE",
-        "with a policy dtype set, pixel fields MUST arrive in it, integer geometry MUST never be "
-        "cast, and fields a family keeps in fp32 on purpose MUST stay fp32.",
+        "with a policy dtype set, pixel fields MUST cross the wire in it (the encoded columns "
+        "themselves, packed or per-row dict media) and arrive in it, integer geometry MUST never "
+        "be cast, and fields a family keeps in fp32 on purpose MUST stay fp32 on the wire and "
+        "after decode.",
         "codec",
         B3 + "rollout write dropped the pixel dtype cast: pixel_values crossed the wire fp32 "
         "instead of bf16, 2x the largest column",
-        ("fp32_pixels", "casts_integer_geometry", "casts_kept_fp32_media"),
+        ("fp32_pixels", "casts_integer_geometry", "casts_kept_fp32_media",
+         "fp32_on_wire_cast_after_decode"),
         capabilities=("bfloat16",),
     ),
     Clause(
@@ -337,9 +340,49 @@ _DATA_PLANE_CLAUSES = [
     ),
 ]
 
+# -- kinds of check that hold whatever the operation: inputs intact, no aliasing, merges by value,
+# heterogeneous rows, every layout regime, model inputs against the processor ------------------
+INTACT = ("a caller (the in-memory path, another rank, a retry, the next stage) keeps using "
+          "what it handed over; an operation that writes into it changes that caller's data "
+          "with no error")
+_REGIME_CLAUSES = [
+    Clause(
+        "WIRE-INPUT-INTACT",
+        "encode MUST leave the batch it is given bit for bit as it was (every field, packed "
+        "segment and row index, dict row, key and list value), with and without a pixel "
+        "dtype, and decode MUST leave the wire batch (columns and tags) as it was.",
+        "codec",
+        INTACT + "; the rollout write's pixel cast written back into the caller's media leaves "
+        "the in-memory path training on bf16 pixels, and a decoder that pops tag entries "
+        "leaves a fetched wire batch that no second consumer can decode",
+        ("encode_casts_caller_media", "decode_consumes_tags"),
+    ),
+    Clause(
+        "META-INPUT-INTACT",
+        "subset, slice, concat, drop, with_fields, stamp_tags and shard_for_dp MUST leave every "
+        "meta, index list and tag dict they are given as it was, including world sizes that do "
+        "not divide the rows.",
+        "meta",
+        INTACT + "; verl's driver balances its batch in place before dispatch, and a meta "
+        "whose keys, tags or extras moved under the driver pairs rewards with the wrong rows",
+        ("meta_concat_updates_first_extra", "dp_shard_stamps_caller_tags"),
+    ),
+    Clause(
+        "BATCH-INPUT-INTACT",
+        "truncate, pad_to, validate, multimodal_inputs (every stage, with and without a dtype), "
+        "select, split, concat and micro_batches (batch sizes that the micro-batch count does "
+        "not divide, with and without a shuffle seed) MUST leave every batch and index list "
+        "they are given bit for bit as it was.",
+        "batch_ops",
+        INTACT + "; a pad or a shuffle applied to the caller's batch (frameworks' in-place "
+        "DataProto and tensor-dict updates) misaligns it with everything computed before",
+        ("pad_writes_caller_fields", "shuffle_permutes_caller_batch"),
+    ),
+]
+
 
 def _all() -> list[Clause]:
-    clauses = list(_DATA_PLANE_CLAUSES)
+    clauses = list(_DATA_PLANE_CLAUSES) + _REGIME_CLAUSES
     try:
         from .catalogue_trainer import TRAINER_CLAUSES
     except ModuleNotFoundError as exc:  # the trainer catalogue is optional only while absent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
@@ -61,3 +62,186 @@ def assert_batch_equal(want: Batch, got: Batch, context: str = "") -> None:
 def keys_for(n: int, prefix: str = "uid") -> list[str]:
     """Per-sample keys as a rollout mints them: `<uid>_g<i>`."""
     return [f"{prefix}{i // 4}_g{i % 4}" for i in range(n)]
+
+
+def object_tag(i: int):
+    """A per-row dict column's tag as the reference codec writes it: None / {} / keys."""
+    return [None, {}, {"pixel_values": {"shape": [4 * i + 4, 1176]},
+                       "image_grid_thw": {"shape": [1, 3]}}][i % 3]
+
+
+def sample_meta(meta_cls, n: int, seed: int = 0, partition: str = "rollout",
+                extra: dict | None = None, first: int = 0):
+    """A meta of `n` rows (keys from row `first` on) with the tags a rollout write gives:
+    seq_len, packed-media shapes (nested lists), an object column's None / {} / per-key tag,
+    and an extra (default `{"step": 3}`)."""
+    rows = range(first, first + n)
+    lens = [((i * 7919 + seed) % 23) + 1 for i in rows]
+    tags = [{"row": i, "seq_len": n_i, "pixel_values": {"shapes": [[4 * (i % 3 + 1), 1176]],
+                                                          "pack_dim": 0},
+             "multi_modal_inputs": object_tag(i)}
+            for i, n_i in zip(rows, lens)]
+    return meta_cls(partition, keys_for(first + n)[first:], ["input_ids", "pixel_values"], lens,
+                    tags, {"step": 3} if extra is None else extra)
+
+
+# -- snapshots: inputs never modified, outputs never aliased ------------------------------------
+# A snapshot is a tree of plain values and tensor copies, built through the public surface of
+# what it records (a Batch's fields, a PackedTensor's segments and rows, an ObjectColumn's rows,
+# a wire batch's columns and tags, a meta's partition, keys, fields, seq_lens, tags and extra),
+# so any backend's objects can be snapshotted and compared bit for bit.
+_META_ATTRS = ("partition", "keys", "fields", "seq_lens", "tags", "extra")
+
+
+def _is_meta(obj) -> bool:
+    return all(hasattr(obj, a) for a in _META_ATTRS) and not isinstance(obj, type)
+
+
+def snapshot(obj):
+    """A deep, bit-exact record of `obj` (see `assert_unchanged`)."""
+    import math
+
+    from rlconform.reference_impl.codec import WireBatch
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    if isinstance(obj, Tensor):
+        if obj.is_nested:
+            return ("jagged", obj.dtype, [r.detach().clone() for r in obj.unbind()])
+        return ("tensor", obj.detach().clone())
+    if isinstance(obj, PackedTensor):
+        return ("packed", obj.pack_dim, [snapshot(s) for s in obj.segments], list(obj.rows))
+    if isinstance(obj, ObjectColumn):
+        return ("objects", [snapshot(r) for r in obj.rows])
+    if isinstance(obj, Batch):
+        return ("batch", obj.family, snapshot(obj.fields), snapshot(obj.extra))
+    if isinstance(obj, WireBatch):
+        return ("wire", snapshot(obj.columns), snapshot(obj.tags))
+    if isinstance(obj, dict):
+        return ("dict", {k: snapshot(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [snapshot(v) for v in obj])
+    if isinstance(obj, float) and math.isnan(obj):
+        return ("nan", math.copysign(1.0, obj))
+    if obj is None or isinstance(obj, (str, int, float, bool, torch.dtype)):
+        return ("value", obj)
+    if _is_meta(obj):
+        return ("meta", type(obj).__name__, {a: snapshot(getattr(obj, a)) for a in _META_ATTRS})
+    if callable(getattr(obj, "tolist", None)):  # numpy arrays, tensordict's non-tensor stacks
+        return snapshot(obj.tolist())
+    import pickle
+
+    try:
+        return ("pickled", type(obj).__name__, pickle.dumps(obj))
+    except Exception:  # noqa: BLE001 - an unpicklable object is recorded by its repr
+        return ("repr", type(obj).__name__, repr(obj))
+
+
+def _where(path: str, key) -> str:
+    return f"{path}[{key!r}]"
+
+
+def snapshot_difference(path: str, want, got) -> str | None:
+    """Why snapshot `got` differs from snapshot `want`, naming the place, or None."""
+    if want[0] != got[0]:
+        return f"{path} was a {want[0]}, is now a {got[0]}"
+    kind = want[0]
+    if kind == "tensor":
+        why = tensor_difference(want[1], got[1])
+        return f"{path}: {why}" if why else None
+    if kind == "jagged":
+        if want[1] != got[1]:
+            return f"{path} was jagged {want[1]}, is now {got[1]}"
+        if len(want[2]) != len(got[2]):
+            return f"{path} had {len(want[2])} rows, now {len(got[2])}"
+        for i, (a, b) in enumerate(zip(want[2], got[2])):
+            why = tensor_difference(a, b)
+            if why:
+                return f"{path} row {i}: {why}"
+        return None
+    if kind == "packed":
+        if want[1] != got[1]:
+            return f"{path} pack_dim was {want[1]}, now {got[1]}"
+        if want[3] != got[3]:
+            return f"{path} rows (segment indices) were {want[3]}, now {got[3]}"
+        return snapshot_difference(f"{path}.segments", ("list", want[2]), ("list", got[2]))
+    if kind in ("objects", "list", "tuple"):
+        a, b = want[-1], got[-1]
+        if len(a) != len(b):
+            return f"{path} had {len(a)} entries, now {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            why = snapshot_difference(f"{path}[{i}]", x, y)
+            if why:
+                return why
+        return None
+    if kind == "batch":
+        if want[1] != got[1]:
+            return f"{path}.family was {want[1]!r}, now {got[1]!r}"
+        return (snapshot_difference(f"{path}.fields", want[2], got[2])
+                or snapshot_difference(f"{path}.extra", want[3], got[3]))
+    if kind == "wire":
+        return (snapshot_difference(f"{path}.columns", want[1], got[1])
+                or snapshot_difference(f"{path}.tags", want[2], got[2]))
+    if kind == "meta":
+        for a in _META_ATTRS:
+            why = snapshot_difference(f"{path}.{a}", want[2][a], got[2][a])
+            if why:
+                return why
+        return None
+    if kind == "dict":
+        a, b = want[1], got[1]
+        gone, new = [k for k in a if k not in b], [k for k in b if k not in a]
+        if gone or new:
+            return f"{path} lost keys {gone} and gained {new}" if gone and new else \
+                f"{path} lost keys {gone}" if gone else f"{path} gained keys {new}"
+        for k in a:
+            why = snapshot_difference(_where(path, k), a[k], b[k])
+            if why:
+                return why
+        return None
+    if want[1:] != got[1:]:
+        return f"{path} was {want[-1]!r}, now {got[-1]!r}"
+    return None
+
+
+def assert_unchanged(before, obj, what: str) -> None:
+    """`obj` is still exactly what `before = snapshot(obj)` recorded."""
+    why = snapshot_difference(what, before, snapshot(obj))
+    assert why is None, f"{what} was changed: {why}"
+
+
+def scribble(obj) -> int:
+    """Mutate every container reachable from `obj` in place (dicts gain a key, lists an entry,
+    a PackedTensor's row and segment lists an entry, a meta's keys, fields, seq_lens, tags and
+    extra likewise); tensors are left alone (operations may share them by design). Returns how
+    many containers were touched, so a caller can check it touched something."""
+    from rlconform.reference_impl.objects import ObjectColumn
+    from rlconform.reference_impl.packed import PackedTensor
+
+    seen: set[int] = set()
+    probe = "__scribbled__"
+
+    def go(x) -> int:
+        if id(x) in seen or isinstance(x, (Tensor, str, bytes, int, float, type(None))):
+            return 0
+        seen.add(id(x))
+        if isinstance(x, Batch):
+            return go(x.fields) + go(x.extra)
+        if isinstance(x, PackedTensor):
+            n = go(x.rows) + go(x.segments)
+            return n
+        if isinstance(x, ObjectColumn):
+            return go(x.rows)
+        if isinstance(x, dict):
+            n = sum(go(v) for v in list(x.values()))
+            x[probe] = [probe]
+            return n + 1
+        if isinstance(x, list):
+            n = sum(go(v) for v in list(x))
+            x.append(None)
+            return n + 1
+        if _is_meta(x):
+            return sum(go(getattr(x, a)) for a in _META_ATTRS)
+        return 0
+
+    return go(obj)

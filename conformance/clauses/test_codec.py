@@ -110,12 +110,51 @@ def test_none_rows_and_media_free_batches(codec, family):
                 "a media-free batch must give no media tensor (legacy passes None)"
 
 
+def _wire_tensors(name: str, obj):
+    """(field, tensor) for every tensor a wire column holds, whatever holds it: a dense or
+    jagged tensor, or containers of them (a dict inside names the field of its values, as in
+    verl's per-row media dicts); an object column `f.key` names field `key`."""
+    if isinstance(obj, torch.Tensor):
+        yield name, (obj.values() if obj.is_nested else obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _wire_tensors(k if k in FIELDS else name, v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _wire_tensors(name, v)
+    elif callable(getattr(obj, "tolist", None)):  # numpy object arrays, non-tensor stacks
+        yield from _wire_tensors(name, obj.tolist())
+
+
+def _assert_wire_dtypes(wire, family: str, policy: torch.dtype, source: torch.dtype) -> None:
+    """The encoded columns themselves follow the policy: a floating POLICY medium is `policy`
+    on the wire (half the bytes of fp32), and media the family keeps in their dtype stay
+    `source` there, whatever decode returns afterwards."""
+    fam = FAMILIES[family]
+    seen = 0
+    for column, value in wire.columns.items():
+        head = column.rsplit(".", 1)[-1]
+        for name, t in _wire_tensors(head if head in FIELDS else column, value):
+            fs = FIELDS.get(name)
+            if fs is None or fs.kind.value != "packed" or not t.is_floating_point() or \
+                    fs.dtype_policy.value != "policy":
+                continue
+            seen += 1
+            want = source if name in fam.keep_dtype else policy
+            assert t.dtype == want, (f"wire column {column!r} holds {name!r} as {t.dtype}: on "
+                                     f"the wire it is {want} ({t.element_size()} bytes a value "
+                                     f"instead of {want.itemsize})")
+    assert seen, f"no pixel medium found in the wire columns {sorted(wire.columns)}"
+
+
 @pytest.mark.clause("WIRE-DTYPE")
 @pytest.mark.parametrize("family", MEDIA)
 def test_dtype_policy(codec_factory, family):
     codec = codec_factory(pixel_dtype=torch.bfloat16)
     batch = build_batch(family, default_plan(family), media_dtype=torch.float32)
-    out = codec.decode(codec.encode(batch))
+    wire = codec.encode(batch)
+    _assert_wire_dtypes(wire, family, torch.bfloat16, torch.float32)
+    out = codec.decode(wire)
     fam = FAMILIES[family]
     for name in fam.packed_fields():
         if name not in batch:
@@ -249,7 +288,9 @@ def test_property_object_roundtrip(codec, batch):
 def test_dtype_policy_reaches_dict_media(codec_factory, family):
     codec = codec_factory(pixel_dtype=torch.bfloat16)
     batch = build_batch(family, default_plan(family), media_form="multi_modal_inputs")
-    out = codec.decode(codec.encode(batch))["multi_modal_inputs"]
+    wire = codec.encode(batch)
+    _assert_wire_dtypes(wire, family, torch.bfloat16, torch.float32)
+    out = codec.decode(wire)["multi_modal_inputs"]
     fam = FAMILIES[family]
     for i, row in enumerate(batch["multi_modal_inputs"]):
         for key, value in row.items():

@@ -5,26 +5,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from ._check import keys_for
-
-
-def _object_tag(i: int):
-    """A per-row dict column's tag as the reference codec writes it: None / {} / keys."""
-    return [None, {}, {"pixel_values": {"shape": [4 * i + 4, 1176]},
-                       "image_grid_thw": {"shape": [1, 3]}}][i % 3]
+from ._check import sample_meta
 
 
 def _meta(meta_cls, n: int, seed: int = 0):
-    lens = [((i * 7919 + seed) % 23) + 1 for i in range(n)]
-    tags = [{"row": i, "seq_len": lens[i], "pixel_values": {"shapes": [[4 * (i % 3 + 1), 1176]],
-                                                              "pack_dim": 0},
-             "multi_modal_inputs": _object_tag(i)}
-            for i in range(n)]
-    return meta_cls("rollout", keys_for(n), ["input_ids", "pixel_values"], lens, tags,
-                    {"step": 3})
+    return sample_meta(meta_cls, n, seed)
 
 
 def _rows(meta) -> list:
@@ -78,6 +66,11 @@ def test_metas_do_not_share_tag_objects(meta_cls):
 
 
 @pytest.mark.clause("META-DP-SHARD")
+# always run: one row, an uneven split, two ranks, more ranks than rows
+@example(n=1, world=1, seed=0)
+@example(n=7, world=3, seed=0)
+@example(n=9, world=2, seed=5)
+@example(n=3, world=5, seed=1)
 @given(n=st.integers(1, 40), world=st.integers(1, 8), seed=st.integers(0, 1000))
 def test_dp_shards(meta_cls, n, world, seed):
     m = _meta(meta_cls, n, seed)
@@ -131,10 +124,3 @@ def test_parent_unchanged_after_its_subset_is_stamped(meta_cls):
     part.stamp_tags({"adv": 0.0}).tags[0]["pixel_values"]["shapes"].append([9, 9])
     assert m.tags == before and part.tags == before[:2], \
         "a stamped slice shares tag objects with its parent"
-
-
-@pytest.mark.clause("META-DP-SHARD")
-@pytest.mark.parametrize("n, world, seed", [(1, 1, 0), (7, 3, 0), (9, 2, 5), (3, 5, 1)],
-                         ids=["one-row", "uneven", "two-ranks", "more-ranks-than-rows"])
-def test_dp_shard_cases(meta_cls, n, world, seed):
-    test_dp_shards.hypothesis.inner_test(meta_cls, n, world, seed)

@@ -368,3 +368,29 @@ def _ignores_seed():
             return batch.micro_batches(n, None)
 
     return _with(Ops)()
+
+
+# -- inputs never modified (BATCH-INPUT-INTACT) --------------------------------------------------
+@mutant("pad_writes_caller_fields", "padding wrote the padded per-token tensors into the caller's "
+        "batch (batch.fields.update) and returned it", "batch_ops")
+def _pad_in_place():
+    class Ops(BatchOps):
+        def pad_to(self, batch, seq_len):
+            batch.fields.update(batch.pad_to(seq_len).fields)
+            return batch
+
+    return _with(Ops)()
+
+
+@mutant("shuffle_permutes_caller_batch", "the seeded shuffle permuted the caller's rows in place "
+        "before cutting micro-batches (the indices it returns are right)", "batch_ops")
+def _shuffle_in_place():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            out = batch.micro_batches(n, shuffle_seed)
+            if shuffle_seed is not None:
+                order = [i for idx, _ in out for i in idx]
+                batch.fields.update(batch.select(order).fields)
+            return out
+
+    return _with(Ops)()

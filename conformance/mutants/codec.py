@@ -290,3 +290,73 @@ def _shape_cache():
             return super()._decode_packed(name, col, tags)
 
     return _with(C)()
+
+
+# -- inputs never modified (WIRE-INPUT-INTACT) ---------------------------------------------------
+@mutant("encode_casts_caller_media", "the rollout write cast the caller's pixel segments to the "
+        "policy dtype in place (assigned back into the batch's media) before encoding them",
+        "codec")
+def _cast_caller():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            fam = batch.family_spec
+            if self.pixel_dtype is not None:
+                for name, v in batch.fields.items():
+                    keep = fam is not None and name in fam.keep_dtype
+                    if isinstance(v, PackedTensor) and not keep and \
+                            FIELDS[name].dtype_policy.value == "policy":
+                        v.segments[:] = [s.to(self.pixel_dtype) if s.is_floating_point() else s
+                                         for s in v.segments]
+            return super().encode(batch)
+
+    return _with(C)()
+
+
+@mutant("decode_consumes_tags", "the decoder took each field's entry out of the wire tags "
+        "(dict.pop) as it rebuilt the rows: the fetched wire batch cannot be decoded again",
+        "codec")
+def _consume_tags():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            out = super().decode(wire)
+            for tag in wire.tags:
+                for name in list(tag):
+                    if name in wire.columns:
+                        tag.pop(name)
+            return out
+
+    return _with(C)()
+
+
+# -- the wire is what the policy says (WIRE-DTYPE on the encoded columns) -----------------------
+@mutant("fp32_on_wire_cast_after_decode", "the rollout write kept pixels fp32 on the wire (2x "
+        "the bytes of the largest column) and the reader cast them to the policy dtype after "
+        "decoding: every decoded dtype is right", "codec")
+def _cast_late():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            return ReferenceCodec(None).encode(batch)
+
+        def decode(self, wire):
+            out = super().decode(wire)
+            fam, dtype = out.family_spec, self.pixel_dtype
+            if dtype is None:
+                return out
+
+            def policy(name):
+                return FIELDS[name].dtype_policy.value == "policy" and not (
+                    fam is not None and name in fam.keep_dtype)
+
+            def cast(name, t):
+                return t.to(dtype) if policy(name) and t.is_floating_point() else t
+
+            for name, v in list(out.fields.items()):
+                if isinstance(v, PackedTensor) and policy(name):
+                    out.fields[name] = v.to_dtype(dtype)
+                elif isinstance(v, ObjectColumn):
+                    out.fields[name] = ObjectColumn([None if r is None else {
+                        k: [cast(k, t) for t in x] if isinstance(x, list) else cast(k, x)
+                        for k, x in r.items()} for r in v])
+            return out
+
+    return _with(C)()

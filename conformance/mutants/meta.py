@@ -99,3 +99,38 @@ def _drop_none_tags():
             return out
 
     return _with(M)()
+
+
+# -- inputs never modified (META-INPUT-INTACT) ---------------------------------------------------
+@mutant("meta_concat_updates_first_extra", "concat merged every meta's extras into the first "
+        "meta's own extra dict and returned it (extra = metas[0].extra; extra.update(...))",
+        "meta")
+def _concat_extra():
+    class M(BatchMeta):
+        @staticmethod
+        def concat(metas):
+            metas = list(metas)
+            out = BatchMeta.concat(metas)
+            merged = metas[0].extra
+            for m in metas[1:]:
+                merged.update(m.extra)
+            return M(out.partition, out.keys, out.fields, out.seq_lens, out.tags, merged)
+
+    return _with(M)()
+
+
+@mutant("dp_shard_stamps_caller_tags", "DP sharding recorded each row's rank in the caller's tag "
+        "dicts (and in the shards'): the driver's meta now carries this step's assignment",
+        "meta")
+def _stamp_caller():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            index = {k: i for i, k in enumerate(self.keys)}
+            for rank, s in enumerate(shards):
+                for k, t in zip(s.keys, s.tags):
+                    t["dp_rank"] = rank
+                    self.tags[index[k]]["dp_rank"] = rank
+            return shards, inverse
+
+    return _with(M)()

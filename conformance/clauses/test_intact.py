@@ -1,0 +1,151 @@
+"""Inputs are never modified: every operation leaves every argument bit for bit as it was.
+
+Frameworks reach into what they are handed: a dtype cast written back into the caller's media,
+a pad or a shuffle applied to the caller's batch, tag entries popped as they are read, the
+driver's meta reordered or annotated by its own DP balancing, extras merged into the first of
+the metas being joined. The caller (the in-memory path, another rank, a retry, the next stage)
+then holds something other than what it put in, and nothing raises. Each test snapshots every
+argument (tensors by their bits, dicts and lists by content, metas by partition, keys, fields,
+seq_lens, tags and extra), runs one operation and compares. Batch sizes that do not divide the
+world size or the micro-batch count are among the inputs on purpose.
+
+An operation that raises is still held to the property (it must not have changed its input
+before raising); whether it should have raised is other clauses' business. Each test checks that
+at least one operation ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from rlconform.fixtures.strategies import given_batches, hetero_cases
+from rlconform.reference_impl.registry import Stage
+
+from ._check import assert_unchanged, sample_meta, snapshot
+
+
+class _Ops:
+    """Runs operations on arguments, checking after each that the arguments are unchanged."""
+
+    def __init__(self):
+        self.ran: list[str] = []
+        self.raised: list[str] = []
+
+    def check(self, what: str, fn, *args):
+        """`fn()` with every one of `args` (objects it receives) snapshotted before, compared
+        after; returns fn's result, or None when it raised."""
+        before = [snapshot(a) for a in args]
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - raising is judged by other clauses
+            self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
+            out = None
+        else:
+            self.ran.append(what)
+        for k, (snap, arg) in enumerate(zip(before, args)):
+            assert_unchanged(snap, arg, f"argument {k} of {what}")
+        return out
+
+    def assert_something_ran(self) -> None:
+        assert self.ran, f"no operation ran (each raised): {self.raised}"
+
+
+# -- codec ------------------------------------------------------------------------------------
+def _codecs(backend, codec_factory):
+    out = [("encode", codec_factory())]
+    if "bfloat16" in backend.capabilities:  # where a cast can be written back into the batch
+        out.append(("encode with pixel_dtype bfloat16", codec_factory(pixel_dtype=torch.bfloat16)))
+    return out
+
+
+def _check_codec(backend, codec_factory, batch):
+    ops = _Ops()
+    for what, codec in _codecs(backend, codec_factory):
+        wire = ops.check(what, lambda: codec.encode(batch), batch)
+        if wire is not None:
+            ops.check(f"decode after {what}", lambda: codec.decode(wire), wire)
+    ops.assert_something_ran()
+
+
+@pytest.mark.clause("WIRE-INPUT-INTACT")
+@given_batches()
+def test_encode_and_decode_leave_their_inputs_intact(backend, codec_factory, batch):
+    _check_codec(backend, codec_factory, batch)
+
+
+@pytest.mark.clause("WIRE-INPUT-INTACT")
+@pytest.mark.parametrize("case", hetero_cases(), ids=lambda c: f"{c.family}-{c.form}")
+def test_codec_leaves_heterogeneous_dict_rows_intact(backend, codec_factory, case):
+    _check_codec(backend, codec_factory, case.build())
+
+
+# -- meta -------------------------------------------------------------------------------------
+@pytest.mark.clause("META-INPUT-INTACT")
+# always run: world sizes that do not divide the rows, one row, more ranks than rows
+@example(n=7, world=3, raw=[6, 0, 3], cut=2)
+@example(n=1, world=2, raw=[0], cut=1)
+@example(n=5, world=8, raw=[4, 2], cut=5)
+@example(n=10, world=4, raw=[9, 8, 1], cut=3)
+@given(n=st.integers(1, 12), world=st.integers(1, 6),
+       raw=st.lists(st.integers(0, 99), min_size=1, max_size=6), cut=st.integers(0, 12))
+def test_meta_operations_leave_their_inputs_intact(backend, meta_cls, n, world, raw, cut):
+    m = sample_meta(meta_cls, n)
+    idx = list(dict.fromkeys(i % n for i in raw))  # keys of a meta are unique
+    cut %= n + 1
+    ops = _Ops()
+    ops.check(f"subset({idx})", lambda: m.subset(idx), m, idx)
+    ops.check(f"slice(0, {cut})", lambda: m.slice(0, cut), m)
+    # two ranks' metas as a DP collect joins them: disjoint rows, each with its own extras
+    head = sample_meta(meta_cls, cut, extra={"step": 3, "dp_rank": 0, "ranks": [0]})
+    tail = sample_meta(meta_cls, n - cut, extra={"step": 3, "dp_rank": 1, "ranks": [1]},
+                       first=cut)
+    ops.check("concat of two ranks' metas", lambda: meta_cls.concat([head, tail]), head, tail)
+    ops.check("drop", lambda: m.drop("pixel_values"), m)
+    ops.check("with_fields", lambda: m.with_fields("advantages"), m)
+    per_row = [{"adv": float(i), "shapes": [[i, 2]]} for i in range(n)]
+    ops.check("stamp_tags (one per row)", lambda: m.stamp_tags(per_row), m, per_row)
+    shared = {"adv": 0.5, "nested": {"k": [1, 2]}}
+    ops.check("stamp_tags (one for all)", lambda: m.stamp_tags(shared), m, shared)
+    if "dp" in backend.capabilities:
+        ops.check(f"shard_for_dp({world}) of {n} rows", lambda: m.shard_for_dp(world), m)
+    ops.assert_something_ran()
+
+
+# -- batch operations -------------------------------------------------------------------------
+def _micro_batch_count(b: int, k: int) -> int:
+    """A count that does not divide the batch where one exists, else one drawn from 1..b."""
+    uneven = [n for n in range(2, b + 1) if b % n]
+    return uneven[k % len(uneven)] if uneven else 1 + k % max(b, 1)
+
+
+@pytest.mark.clause("BATCH-INPUT-INTACT")
+@given_batches(also={"k": (st.integers(0, 2**16), lambda i: 3 + 7 * i)})
+def test_batch_operations_leave_their_inputs_intact(backend, batch_ops, batch, k):
+    b, s = len(batch), batch.seq_len()
+    ops = _Ops()
+    cut = k % (s + 1)
+    ops.check(f"truncate({cut})", lambda: batch_ops.truncate(batch, cut), batch)
+    ops.check(f"pad_to({s + 1 + k % 5})", lambda: batch_ops.pad_to(batch, s + 1 + k % 5), batch)
+    ops.check("validate", lambda: batch_ops.validate(batch), batch)
+    for stage in Stage:
+        for dtype in (None, torch.bfloat16):
+            ops.check(f"multimodal_inputs({stage.value}, {dtype})",
+                      lambda: batch_ops.multimodal_inputs(batch, stage, dtype), batch)
+    if "batch_algebra" in backend.capabilities:
+        idx = [(k * (j + 3) + j) % b for j in range(1 + k % 5)]  # repeats, out of order
+        ops.check(f"select({idx})", lambda: batch_ops.select(batch, idx), batch, idx)
+        first = 1 + k % b if b > 1 else b
+        sizes = [first, b - first] if b > 1 else [b]
+        ops.check(f"split({sizes})", lambda: batch_ops.split(batch, sizes), batch, sizes)
+        parts = batch.split(sizes)
+        ops.check("concat of the split parts and the batch",
+                  lambda: batch_ops.concat([*parts, batch]), batch, *parts)
+    if "micro_batching" in backend.capabilities:
+        n = _micro_batch_count(b, k)
+        for seed in (None, k):
+            ops.check(f"micro_batches({n} of {b} rows, shuffle_seed={seed})",
+                      lambda: batch_ops.micro_batches(batch, n, shuffle_seed=seed), batch)
+    ops.assert_something_ran()
