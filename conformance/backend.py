@@ -33,6 +33,8 @@ CAPABILITIES = {
     "cuda": "runs on a CUDA device",
     "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
     "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
+    "batch_union": "batch_ops union: the fields of two batches over the same rows (verl "
+    "DataProto.union)",
     "multiprocess": "a transport other processes reopen: transport.address() is picklable and "
     "backend.transport(address=...) opens the same store there (data-parallel rank processes, "
     "reference_impl/ranks.py)",

@@ -378,6 +378,135 @@ _REGIME_CLAUSES = [
         "DataProto and tensor-dict updates) misaligns it with everything computed before",
         ("pad_writes_caller_fields", "shuffle_permutes_caller_batch"),
     ),
+    Clause(
+        "WIRE-REGIMES",
+        "decode MUST rebuild the batch exactly, family included, for every family in every "
+        "layout regime (rows of truly one length, one row, one token per row, zero-length rows; "
+        "media in some rows and in none), with M-RoPE position_ids [B, C, S] in each, after the "
+        "wire batch was serialised (torch.save / torch.load) and handed to a fresh codec.",
+        "codec",
+        "a wire batch crosses to other processes (ranks, a store's server) and is decoded by "
+        "another codec instance: anything the decoder takes from the encoder's own state "
+        "instead of the wire is lost there, and regimes that random lengths reach only by "
+        "coincidence (one length for all rows, zero-length rows) take other code paths",
+        ("codec_state_not_on_wire",),
+    ),
+    Clause(
+        "BATCH-REGIMES",
+        "in every layout regime (rows of truly one length, one row, one token per row, "
+        "zero-length rows; media in some rows and in none; M-RoPE position_ids [B, C, S] in "
+        "each), every conversion the backend offers MUST keep every row exactly through "
+        "serialisation: pad_to then truncate back, split then concat, micro_batches (a count "
+        "that does not divide the rows, with and without a shuffle seed) holding every row once.",
+        "batch_ops",
+        "frameworks ship chunks and micro-batches between processes (Ray, torch.distributed); a "
+        "dynamic batcher that packs rows by token count drops rows without tokens, and a form "
+        "that only survives in its own process breaks there",
+        ("micro_batch_drops_empty_rows",),
+    ),
+    Clause(
+        "WIRE-HETERO-ROWS",
+        "decode(encode(batch)) MUST give back every row exactly when rows differ: per-row dict "
+        "columns with None and {} rows side by side, keys first appearing in a later row "
+        "(video-only before image rows), per-image list values beside tensor values of the same "
+        "key, keys in another order; packed media with as many images as rows but not one per "
+        "row, and one row holding every image.",
+        "codec",
+        "a wire schema inferred from the first row drops the keys a later row brings, and an "
+        "assignment inferred from a count gives rows each other's images; uniform rows pass "
+        "both",
+        ("codec_object_keys_of_first_dict_row",),
+    ),
+    Clause(
+        "BATCH-HETERO-ROWS",
+        "from rows that differ (as in WIRE-HETERO-ROWS) stage inputs, select, split, concat and "
+        "micro_batches (counts equal to the image count and to the row count) MUST keep every "
+        "key and every row's media with its row, or raise.",
+        "batch_ops",
+        "frameworks rebuild per-row media through columnar forms whose keys come from the first "
+        "row (verl list_of_dict_to_dict_of_list) and split flat media by counts (a processor "
+        "gives one image per text when the counts match): right on uniform rows, silently "
+        "wrong on these",
+        ("select_keys_of_first_row", "micro_batch_media_by_count"),
+    ),
+    Clause(
+        "BATCH-MODEL-INPUTS",
+        "for rows whose batch a family's real processor built (unequal image counts, a "
+        "text-only row), the model inputs multimodal_inputs gives for each stage, also after "
+        "truncate, pad_to, select, split and micro_batches (with and without a shuffle), MUST "
+        "equal what the processor produces for exactly those rows (names, dtype, shape, bits; "
+        "per-token maps over each row's tokens), and each row's media MUST be that sample's "
+        "own processor output.",
+        "batch_ops",
+        "the stage-input clauses compare a backend with itself (packed against dict media, "
+        "before against after truncation): a stage that normalises pixels twice or hands a "
+        "row's images over in another order passes them all, and the model trains on other "
+        "pixels than the rollout saw",
+        ("stage_inputs_normalised_twice", "stage_inputs_images_reversed_in_row"),
+    ),
+    Clause(
+        "META-NO-ALIAS",
+        "no result of subset, slice, concat, drop, with_fields, stamp_tags or shard_for_dp MAY "
+        "share a container with a meta it came from: mutating any tag dict (at any depth), key "
+        "or length list or extra of a result leaves every source meta as it was.",
+        "meta",
+        B3 + "metadata sharding for data parallelism dropped per-row tags; a rank that stamps "
+        "or rewrites its shard's tags through shared dicts rewrites the driver's meta and the "
+        "other ranks' shards",
+        ("meta_concat_shares_tags", "dp_shard_copies_tags_shallowly"),
+    ),
+    Clause(
+        "BATCH-NO-ALIAS",
+        "no result of select, split, concat or micro_batches MAY share a container with a batch "
+        "it came from, also where the result holds every row in order: mutating a result's "
+        "field dict, packed row and segment lists, dict rows or their per-image lists leaves "
+        "every source batch as it was (tensors may be shared).",
+        "batch_ops",
+        "verl pops keys from a micro-batch's multi_modal_inputs rows and frameworks append to "
+        "per-image lists; through a shallow row copy or a select that returns its input when "
+        "nothing moves, that reaches the source batch and every other chunk of it",
+        ("select_shares_list_values", "select_of_every_row_returns_source"),
+        capabilities=("batch_algebra",),
+    ),
+    Clause(
+        "META-MERGE-BY-VALUE",
+        "concat MUST decide by value: metas over disjoint rows whose partition, fields, tags and "
+        "extras are equal but not the same objects (one sent through serialisation, as a "
+        "rank's meta comes back) join exactly as identical ones do, and metas over overlapping "
+        "keys or of another partition are refused whether or not their objects are shared.",
+        "meta",
+        "DP collect joins metas that crossed a process boundary: nothing in them is the driver's "
+        "own object any more, and a check by identity refuses them (or, the other way, lets a "
+        "duplicated key through)",
+        ("meta_concat_compares_by_identity",),
+    ),
+    Clause(
+        "BATCH-MERGE-BY-VALUE",
+        "concat MUST decide by value: two views of the same rows whose media objects are equal "
+        "but not the same (one sent through serialisation) concatenate exactly as identical "
+        "views do, and batches of another family are refused whether or not objects are shared.",
+        "batch_ops",
+        "chunks computed in other processes come back as equal copies, never as the driver's "
+        "objects; a merge that compares by identity refuses them",
+        ("concat_checks_family_by_identity",),
+        capabilities=("batch_algebra",),
+    ),
+    Clause(
+        "BATCH-UNION",
+        "union(a, b) of two views of the same rows MUST decide by value: overlapping fields "
+        "equal bit for bit (NaN payloads included) but held in other objects (dict rows, "
+        "packed media, tensors) are accepted and every field of both is kept exactly; an "
+        "overlapping field that differs, or another row count, is refused naming it; neither "
+        "input is modified.",
+        "batch_ops",
+        "verl's DataProto.union compares overlapping per-row media dicts with == "
+        "(union_numpy_dict -> _deep_equal), which holds for the same dict object and raises "
+        "'Boolean value of Tensor with more than one value is ambiguous' for an equal copy, "
+        "compares tensors with torch.equal (a NaN never equal), and writes the union into "
+        "its own self",
+        ("union_compares_by_identity",),
+        capabilities=("batch_union",),
+    ),
 ]
 
 

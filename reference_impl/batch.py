@@ -168,6 +168,31 @@ class Batch:
                 out[name] = torch.cat(vals, dim=0)
         return Batch(out, batches[0].family, dict(batches[0].extra))
 
+    def union(self, other: Batch) -> Batch:
+        """The fields of two batches over the same rows (verl's DataProto.union): fields only
+        one holds are joined; a field both hold must be equal by value (dtype, shape, bits, row
+        boundaries, dict rows), never by identity, else ValueError naming it. The result owns
+        its containers (row dicts, row lists); tensors are shared."""
+        if not isinstance(other, Batch):
+            raise TypeError(f"union needs a Batch, got {type(other).__name__}")
+        if self.batch_size != other.batch_size:
+            raise ValueError(f"union of batches of {self.batch_size} and {other.batch_size} rows")
+        if str(self.family) != str(other.family):
+            raise ValueError(f"union of batches of families {self.family!r} and {other.family!r}")
+        every = list(range(self.batch_size))
+        fields: dict[str, Value] = {}
+        for source in (self, other):
+            for name, v in source.fields.items():
+                if name in fields:
+                    why = self.first_difference(other, [name])
+                    if why:
+                        raise ValueError(f"union: field {name!r} differs between the batches: "
+                                         f"{why}")
+                    continue
+                fields[name] = v.select(every) if isinstance(v, (PackedTensor, ObjectColumn)) \
+                    else v
+        return Batch(fields, self.family, {**self.extra, **other.extra})
+
     # -- sequence operations ------------------------------------------------------------
     def truncate(self, max_len: int) -> Batch:
         """Narrow per-token fields to `max_len` tokens; packed media stay untouched."""
@@ -471,7 +496,8 @@ class BatchOps:
 
     A backend with its own truncation, padding or validation provides an object with these
     four methods; the BATCH clauses exercise it. The batch algebra (`select`, `concat`, `split`:
-    capability `batch_algebra`) and `micro_batches` (capability `micro_batching`) are optional.
+    capability `batch_algebra`), `micro_batches` (capability `micro_batching`) and `union`
+    (capability `batch_union`) are optional.
     """
 
     name = "reference"
@@ -503,3 +529,7 @@ class BatchOps:
     def micro_batches(self, batch: Batch, n: int, shuffle_seed: int | None = None
                       ) -> list[tuple[list[int], Batch]]:
         return batch.micro_batches(n, shuffle_seed)
+
+    # batch_union
+    def union(self, a: Batch, b: Batch) -> Batch:
+        return a.union(b)

@@ -7,6 +7,9 @@ from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.bitexact import tensor_difference
+from rlconform.reference_impl.objects import ObjectColumn, row_difference, value_difference
+from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.registry import Kind, spec
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
@@ -85,6 +88,72 @@ def sample_meta(meta_cls, n: int, seed: int = 0, partition: str = "rollout",
                     tags, {"step": 3} if extra is None else extra)
 
 
+# -- rows of a batch, whatever its padding width --------------------------------------------------
+def seq_slice(name: str, v: Tensor, start: int, length: int) -> Tensor:
+    """Positions start..start+length of per-token field `name` on its registered sequence dim."""
+    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+
+
+def batch_rows(batch) -> list[dict]:
+    """Every field of every row, independent of padding width: per-token fields cut at the
+    row's length on their sequence dim, packed rows as (pack_dim, segments), dict rows as is."""
+    lens = batch.seq_lens.tolist()
+    out: list[dict] = [{} for _ in lens]
+    for name, v in batch.fields.items():
+        for i, n in enumerate(lens):
+            if isinstance(v, PackedTensor):
+                out[i][name] = ("packed", v.pack_dim, v.row_segments(i))
+            elif isinstance(v, ObjectColumn):
+                out[i][name] = ("object", v[i])
+            elif spec(name).kind is Kind.PER_TOKEN:
+                out[i][name] = seq_slice(name, v[i:i + 1], 0, n)
+            else:
+                out[i][name] = v[i]
+    return out
+
+
+def assert_rows(want: list[dict], got_batch, what: str) -> None:
+    assert isinstance(got_batch, Batch), f"{what} returned a {type(got_batch).__name__}"
+    got = batch_rows(got_batch)
+    assert len(got) == len(want), f"{what}: {len(got)} rows, expected {len(want)}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert set(g) == set(w), f"{what}: row {i} has fields {sorted(g)}, expected {sorted(w)}"
+        for name in w:
+            a, b = w[name], g[name]
+            where = f"{what}: row {i} field {name!r}"
+            if isinstance(a, tuple) and a[0] == "object":
+                assert isinstance(b, tuple) and b[0] == "object", f"{where} is no longer a dict row"
+                why = row_difference(i, a[1], b[1])
+                why = why and f"{where}: {why}"
+            elif isinstance(a, tuple):
+                assert isinstance(b, tuple) and b[0] == "packed", f"{where} is no longer packed"
+                assert b[1] == a[1], f"{where} pack_dim {b[1]}, expected {a[1]}"
+                if a[2] is None or b[2] is None:
+                    why = None if a[2] is None and b[2] is None else \
+                        f"{where} is {'None' if b[2] is None else 'present'}, expected the opposite"
+                else:
+                    why = value_difference(f"{where} segments", a[2], b[2])
+            else:
+                why = value_difference(where, a, b)
+            assert why is None, why
+    got_batch.validate()
+
+
+def assert_own_dicts(source, out, what: str) -> None:
+    """Mutating a result's dict rows must not reach the source batch."""
+    for name, col in out.fields.items():
+        if not isinstance(col, ObjectColumn):
+            continue
+        before = [None if r is None else dict(r) for r in source[name].rows]
+        for row in col.rows:
+            if row is not None:
+                row["__probe__"] = torch.zeros(1)
+                row.pop(next(iter(row)), None)
+        for i, (b, r) in enumerate(zip(before, source[name].rows)):
+            assert (b is None and r is None) or (r is not None and set(r) == set(b)), \
+                f"{what}: row {i} of {name!r} is shared with the result (keys now {sorted(r)})"
+
+
 # -- snapshots: inputs never modified, outputs never aliased ------------------------------------
 # A snapshot is a tree of plain values and tensor copies, built through the public surface of
 # what it records (a Batch's fields, a PackedTensor's segments and rows, an ObjectColumn's rows,
@@ -102,8 +171,6 @@ def snapshot(obj):
     import math
 
     from rlconform.reference_impl.codec import WireBatch
-    from rlconform.reference_impl.objects import ObjectColumn
-    from rlconform.reference_impl.packed import PackedTensor
 
     if isinstance(obj, Tensor):
         if obj.is_nested:
@@ -215,9 +282,6 @@ def scribble(obj) -> int:
     a PackedTensor's row and segment lists an entry, a meta's keys, fields, seq_lens, tags and
     extra likewise); tensors are left alone (operations may share them by design). Returns how
     many containers were touched, so a caller can check it touched something."""
-    from rlconform.reference_impl.objects import ObjectColumn
-    from rlconform.reference_impl.packed import PackedTensor
-
     seen: set[int] = set()
     probe = "__scribbled__"
 
@@ -240,6 +304,8 @@ def scribble(obj) -> int:
             n = sum(go(v) for v in list(x))
             x.append(None)
             return n + 1
+        if isinstance(x, tuple):
+            return sum(go(v) for v in x)
         if _is_meta(x):
             return sum(go(getattr(x, a)) for a in _META_ATTRS)
         return 0

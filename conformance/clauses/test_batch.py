@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
-from rlconform.fixtures.strategies import batches
+from rlconform.fixtures.strategies import given_batches
 from rlconform.fixtures.synthetic import (
     MEDIA_FORMS,
     RowPlan,
@@ -18,11 +17,11 @@ from rlconform.fixtures.synthetic import (
     media_families,
 )
 from rlconform.reference_impl.batch import Batch
-from rlconform.reference_impl.objects import ObjectColumn, row_difference, value_difference
+from rlconform.reference_impl.objects import ObjectColumn, value_difference
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields, spec
 
-from ._check import assert_bit_equal
+from ._check import assert_bit_equal, assert_own_dicts, assert_rows, batch_rows, seq_slice
 
 MEDIA = media_families()
 
@@ -32,9 +31,7 @@ def _packed(batch):
     return {n: v for n, v in batch.fields.items() if isinstance(v, (PackedTensor, ObjectColumn))}
 
 
-def _seq(name, v, start, length):
-    """Positions start..start+length of per-token field `name` on its registered sequence dim."""
-    return v.narrow(spec(name).seq_axis(v.dim()), start, length)
+_seq = seq_slice
 
 
 def _seq_size(name, v) -> int:
@@ -51,10 +48,10 @@ def _assert_media_untouched(before, after, what: str):
 
 
 @pytest.mark.clause("BATCH-TRUNCATE")
-@given(batch=batches(), data=st.data())
-def test_truncate(batch_ops, batch, data):
+@given_batches(also={"raw": (st.integers(0, 2**16), lambda i: 2 + 3 * i)})
+def test_truncate(batch_ops, batch, raw):
     s = batch.seq_len()
-    cut = data.draw(st.integers(1, max(1, s)), label="max_len")
+    cut = raw % (s + 1)  # 0..S: to nothing, into the rows, or no cut
     out = batch_ops.truncate(batch, cut)
     _assert_media_untouched(batch, out, "truncate")
     for name in batch.names(Kind.PER_TOKEN):
@@ -80,7 +77,7 @@ def test_truncate_every_family_model_inputs(batch_ops, family):
 
 
 @pytest.mark.clause("BATCH-PAD")
-@given(batch=batches(), extra=st.integers(0, 9))
+@given_batches(also={"extra": (st.integers(0, 9), lambda i: i % 10)})
 def test_pad_excludes_media(batch_ops, batch, extra):
     target = batch.seq_len() + extra
     out = batch_ops.pad_to(batch, target)
@@ -193,73 +190,13 @@ def test_dict_media_give_the_packed_model_inputs(batch_ops, family, form):
 
 
 @pytest.mark.clause("BATCH-OBJECT-INPUTS")
-@given(batch=batches(media_forms=MEDIA_FORMS[1:]))
+@given_batches(media_forms=MEDIA_FORMS[1:])
 def test_property_dict_media_inputs(batch_ops, batch):
     want = batch_ops.multimodal_inputs(batch.packed_form(), Stage.TRAIN)
     _assert_same_inputs(want, batch_ops.multimodal_inputs(batch, Stage.TRAIN), "train inputs")
 
 
 # -- batch algebra ----------------------------------------------------------------------------
-def _rows(batch) -> list[dict]:
-    """Every field of every row, independent of padding width: per-token fields cut at the
-    row's length on their sequence dim, packed rows as (pack_dim, segments), dict rows as is."""
-    lens = batch.seq_lens.tolist()
-    out: list[dict] = [{} for _ in lens]
-    for name, v in batch.fields.items():
-        for i, n in enumerate(lens):
-            if isinstance(v, PackedTensor):
-                out[i][name] = ("packed", v.pack_dim, v.row_segments(i))
-            elif isinstance(v, ObjectColumn):
-                out[i][name] = ("object", v[i])
-            elif spec(name).kind is Kind.PER_TOKEN:
-                out[i][name] = _seq(name, v[i:i + 1], 0, n)
-            else:
-                out[i][name] = v[i]
-    return out
-
-
-def _assert_rows(want: list[dict], got_batch, what: str) -> None:
-    assert isinstance(got_batch, Batch), f"{what} returned a {type(got_batch).__name__}"
-    got = _rows(got_batch)
-    assert len(got) == len(want), f"{what}: {len(got)} rows, expected {len(want)}"
-    for i, (w, g) in enumerate(zip(want, got)):
-        assert set(g) == set(w), f"{what}: row {i} has fields {sorted(g)}, expected {sorted(w)}"
-        for name in w:
-            a, b = w[name], g[name]
-            where = f"{what}: row {i} field {name!r}"
-            if isinstance(a, tuple) and a[0] == "object":
-                assert isinstance(b, tuple) and b[0] == "object", f"{where} is no longer a dict row"
-                why = row_difference(i, a[1], b[1])
-                why = why and f"{where}: {why}"
-            elif isinstance(a, tuple):
-                assert isinstance(b, tuple) and b[0] == "packed", f"{where} is no longer packed"
-                assert b[1] == a[1], f"{where} pack_dim {b[1]}, expected {a[1]}"
-                if a[2] is None or b[2] is None:
-                    why = None if a[2] is None and b[2] is None else \
-                        f"{where} is {'None' if b[2] is None else 'present'}, expected the opposite"
-                else:
-                    why = value_difference(f"{where} segments", a[2], b[2])
-            else:
-                why = value_difference(where, a, b)
-            assert why is None, why
-    got_batch.validate()
-
-
-def _assert_own_dicts(source, out, what: str) -> None:
-    """Mutating a result's dict rows must not reach the source batch."""
-    for name, col in out.fields.items():
-        if not isinstance(col, ObjectColumn):
-            continue
-        before = [None if r is None else dict(r) for r in source[name].rows]
-        for row in col.rows:
-            if row is not None:
-                row["__probe__"] = torch.zeros(1)
-                row.pop(next(iter(row)), None)
-        for i, (b, r) in enumerate(zip(before, source[name].rows)):
-            assert (b is None and r is None) or (r is not None and set(r) == set(b)), \
-                f"{what}: row {i} of {name!r} is shared with the result (keys now {sorted(r)})"
-
-
 @pytest.mark.clause("BATCH-ALGEBRA")
 @pytest.mark.parametrize("form", MEDIA_FORMS)
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3", "nemotron_omni"])
@@ -267,24 +204,24 @@ def test_select_concat_split_examples(batch_ops, family, form):
     """Always-run cases: every form, de-duplicated and None rows, several images, video
     (built here, never at import: a defect that shares rows must not leak into other runs)."""
     batch = build_batch(family, default_plan(family) * 2, seed=3, media_form=form)
-    rows = _rows(batch)
+    rows = batch_rows(batch)
     idx = [7, 0, 2, 2, 5]  # out of order, a repeat (GRPO repeat), a None row, a shared row
     out = batch_ops.select(batch, idx)
-    _assert_rows([rows[i] for i in idx], out, f"select({idx})")
-    _assert_own_dicts(batch, out, "select")
+    assert_rows([rows[i] for i in idx], out, f"select({idx})")
+    assert_own_dicts(batch, out, "select")
     for sizes in ([3, 5], [1, 1, 6], [2, 2, 2, 2]):
         parts = batch_ops.split(batch, sizes)
         assert [len(p) for p in parts] == sizes, f"split({sizes}) gave {[len(p) for p in parts]}"
         start = 0
         for p, n in zip(parts, sizes):
-            _assert_rows(rows[start:start + n], p, f"split({sizes}) chunk at row {start}")
+            assert_rows(rows[start:start + n], p, f"split({sizes}) chunk at row {start}")
             start += n
-        _assert_own_dicts(batch, parts[0], "split")
+        assert_own_dicts(batch, parts[0], "split")
     parts = [batch.slice(0, 2), batch.slice(2, 3), batch.slice(3, 8)]
     parts = [p.truncate(int(p.seq_lens.max())) for p in parts]  # each with its own width
     out = batch_ops.concat(parts)
-    _assert_rows(rows, out, "concat of three chunks of differing widths")
-    _assert_own_dicts(parts[0], out, "concat")
+    assert_rows(rows, out, "concat of three chunks of differing widths")
+    assert_own_dicts(parts[0], out, "concat")
 
 
 @pytest.mark.clause("BATCH-ALGEBRA")
@@ -294,31 +231,35 @@ def test_concat_media_free_and_media_chunks(batch_ops, form):
                         media_form=form)
     free = build_batch("qwen2_vl", [RowPlan(6), RowPlan(2)], seed=1, media_form=form)
     out = batch_ops.concat([free, media, free])
-    _assert_rows(_rows(free) + _rows(media) + _rows(free), out, "concat(media-free, media, "
+    assert_rows(batch_rows(free) + batch_rows(media) + batch_rows(free), out, "concat(media-free, media, "
                                                                  "media-free)")
 
 
+_INDICES = st.lists(st.integers(0, 2**16), min_size=1, max_size=10)
+_CUTS = st.sets(st.integers(0, 2**16), max_size=3)
+
+
 @pytest.mark.clause("BATCH-ALGEBRA")
-@given(batch=batches(max_rows=8), data=st.data())
-def test_property_algebra(batch_ops, batch, data):
+@given_batches(max_rows=8, also={"raw_idx": (_INDICES, lambda i: [i + 3, 0, 2 * i + 1, i + 3]),
+                                 "raw_cuts": (_CUTS, lambda i: {i, 2 * i + 1})})
+def test_property_algebra(batch_ops, batch, raw_idx, raw_cuts):
     n = len(batch)
-    rows = _rows(batch)
-    idx = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=10), label="indices")
-    _assert_rows([rows[i] for i in idx], batch_ops.select(batch, idx), f"select({idx})")
-    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3), label="cuts")) \
-        if n > 1 else []
+    rows = batch_rows(batch)
+    idx = [i % n for i in raw_idx]  # out of order, repeats
+    assert_rows([rows[i] for i in idx], batch_ops.select(batch, idx), f"select({idx})")
+    cuts = sorted({1 + c % (n - 1) for c in raw_cuts}) if n > 1 else []
     bounds = [0, *cuts, n]
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     parts = batch_ops.split(batch, sizes)
     assert [len(p) for p in parts] == sizes, f"split({sizes}) gave {[len(p) for p in parts]}"
     for p, a, b in zip(parts, bounds, bounds[1:]):
-        _assert_rows(rows[a:b], p, f"split({sizes}) chunk {a}:{b}")
-    _assert_rows(rows, batch_ops.concat(parts), f"concat(split({sizes}))")
+        assert_rows(rows[a:b], p, f"split({sizes}) chunk {a}:{b}")
+    assert_rows(rows, batch_ops.concat(parts), f"concat(split({sizes}))")
 
 
 # -- micro-batches ----------------------------------------------------------------------------
 def _check_micro_batches(batch_ops, batch, n, seed):
-    rows = _rows(batch)
+    rows = batch_rows(batch)
     mbs = batch_ops.micro_batches(batch, n, shuffle_seed=seed)
     what = f"micro_batches(n={n}, shuffle_seed={seed})"
     assert len(mbs) == n, f"{what} gave {len(mbs)} micro-batches"
@@ -328,12 +269,12 @@ def _check_micro_batches(batch_ops, batch, n, seed):
     if seed is None:
         assert flat == list(range(len(batch))), f"{what} reordered rows without a seed: {flat}"
     for k, (idx, mb) in enumerate(mbs):
-        _assert_rows([rows[i] for i in idx], mb, f"{what} micro-batch {k} (rows {list(idx)})")
+        assert_rows([rows[i] for i in idx], mb, f"{what} micro-batch {k} (rows {list(idx)})")
     joined = Batch.concat([mb for _, mb in mbs])
     inverse = sorted(range(len(flat)), key=flat.__getitem__)
-    _assert_rows(rows, joined.select(inverse), f"{what} concatenated in recorded order")
+    assert_rows(rows, joined.select(inverse), f"{what} concatenated in recorded order")
     for k, (_, mb) in enumerate(mbs):
-        _assert_own_dicts(batch, mb, f"{what} micro-batch {k}")
+        assert_own_dicts(batch, mb, f"{what} micro-batch {k}")
     return flat
 
 
@@ -351,10 +292,11 @@ def test_micro_batch_examples(batch_ops, form, n):
 
 
 @pytest.mark.clause("BATCH-MICRO-BATCH")
-@given(batch=batches(max_rows=8), data=st.data())
-def test_property_micro_batches(batch_ops, batch, data):
-    n = data.draw(st.integers(1, len(batch)), label="n")
-    seed = data.draw(st.one_of(st.none(), st.integers(0, 2**16)), label="shuffle_seed")
+@given_batches(max_rows=8, also={"raw_n": (st.integers(0, 2**16), lambda i: i + 1),
+                                 "seed": (st.one_of(st.none(), st.integers(0, 2**16)),
+                                          lambda i: None if i % 3 == 0 else i)})
+def test_property_micro_batches(batch_ops, batch, raw_n, seed):
+    n = 1 + raw_n % len(batch)  # 1..B, counts that do not divide B included
     _check_micro_batches(batch_ops, batch, n, seed)
 
 

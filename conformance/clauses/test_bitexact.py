@@ -11,9 +11,8 @@ import uuid
 
 import pytest
 import torch
-from hypothesis import given
 
-from rlconform.fixtures.strategies import batches
+from rlconform.fixtures.strategies import given_batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, media_families, special_values
 from rlconform.reference_impl.bitexact import bits
 from rlconform.reference_impl.codec import ReferenceCodec
@@ -64,7 +63,7 @@ def test_special_values_roundtrip_codec(codec, family, dtype):
 
 
 @pytest.mark.clause("WIRE-BITEXACT")
-@given(batch=batches(specials=True, turned=False))
+@given_batches(specials=True, turned=False)
 def test_property_special_values_roundtrip_codec(codec, batch):
     assert_batch_equal(batch, codec.decode(codec.encode(batch)), "decode(encode(batch))")
 

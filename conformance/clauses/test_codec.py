@@ -6,9 +6,8 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given
 
-from rlconform.fixtures.strategies import batches
+from rlconform.fixtures.strategies import given_batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
 from rlconform.reference_impl.codec import WireBatch
 from rlconform.reference_impl.packed import PackedTensor
@@ -20,7 +19,7 @@ MEDIA = media_families()
 
 
 @pytest.mark.clause("WIRE-ROUNDTRIP")
-@given(batch=batches())
+@given_batches()
 def test_property_roundtrip(codec, batch):
     assert_batch_equal(batch, codec.decode(codec.encode(batch)), "decode(encode(batch))")
 
@@ -278,7 +277,7 @@ def test_object_rows_edge_cases(codec):
 
 
 @pytest.mark.clause("WIRE-OBJECT")
-@given(batch=batches(media_forms=("multi_modal_inputs", "mm_train_inputs")))
+@given_batches(media_forms=("multi_modal_inputs", "mm_train_inputs"))
 def test_property_object_roundtrip(codec, batch):
     assert_batch_equal(batch, codec.decode(codec.encode(batch)), "decode(encode(batch))")
 

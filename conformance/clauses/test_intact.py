@@ -64,9 +64,9 @@ def _codecs(backend, codec_factory):
 def _check_codec(backend, codec_factory, batch):
     ops = _Ops()
     for what, codec in _codecs(backend, codec_factory):
-        wire = ops.check(what, lambda: codec.encode(batch), batch)
+        wire = ops.check(what, lambda c=codec: c.encode(batch), batch)
         if wire is not None:
-            ops.check(f"decode after {what}", lambda: codec.decode(wire), wire)
+            ops.check(f"decode after {what}", lambda c=codec, w=wire: c.decode(w), wire)
     ops.assert_something_ran()
 
 
@@ -133,7 +133,7 @@ def test_batch_operations_leave_their_inputs_intact(backend, batch_ops, batch, k
     for stage in Stage:
         for dtype in (None, torch.bfloat16):
             ops.check(f"multimodal_inputs({stage.value}, {dtype})",
-                      lambda: batch_ops.multimodal_inputs(batch, stage, dtype), batch)
+                      lambda s=stage, d=dtype: batch_ops.multimodal_inputs(batch, s, d), batch)
     if "batch_algebra" in backend.capabilities:
         idx = [(k * (j + 3) + j) % b for j in range(1 + k % 5)]  # repeats, out of order
         ops.check(f"select({idx})", lambda: batch_ops.select(batch, idx), batch, idx)
@@ -147,5 +147,5 @@ def test_batch_operations_leave_their_inputs_intact(backend, batch_ops, batch, k
         n = _micro_batch_count(b, k)
         for seed in (None, k):
             ops.check(f"micro_batches({n} of {b} rows, shuffle_seed={seed})",
-                      lambda: batch_ops.micro_batches(batch, n, shuffle_seed=seed), batch)
+                      lambda s=seed: batch_ops.micro_batches(batch, n, shuffle_seed=s), batch)
     ops.assert_something_ran()

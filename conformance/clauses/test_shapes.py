@@ -11,9 +11,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from hypothesis import given
 
-from rlconform.fixtures.strategies import batches
+from rlconform.fixtures.strategies import given_batches
 from rlconform.fixtures.synthetic import build_batch, turnable_families, turned_plan
 from rlconform.reference_impl.codec import ReferenceCodec, WireBatch
 from rlconform.reference_impl.packed import PackedTensor
@@ -51,7 +50,7 @@ def test_turned_media_keep_their_shapes(codec, family):
 
 
 @pytest.mark.clause("WIRE-SHAPE-TAGS")
-@given(batch=batches(shape_mode="turned", families=TURNABLE, specials=False))
+@given_batches(shape_mode="turned", families=TURNABLE, specials=False)
 def test_property_turned_media_keep_their_shapes(codec, batch):
     assert_batch_equal(batch, codec.decode(codec.encode(batch)), "decode(encode(batch))")
 

@@ -394,3 +394,155 @@ def _shuffle_in_place():
             return out
 
     return _with(Ops)()
+
+
+# -- every layout regime (BATCH-REGIMES) ---------------------------------------------------------
+@mutant("micro_batch_drops_empty_rows", "micro-batches were packed by token count and rows "
+        "without tokens were never placed: zero-length rows vanish", "batch_ops")
+def _drop_empty():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            out = []
+            for idx, _ in batch.micro_batches(n, shuffle_seed):
+                idx = [i for i in idx if int(batch.seq_lens[i]) > 0]
+                out.append((idx, batch.select(idx)))
+            return out
+
+    return _with(Ops)()
+
+
+# -- heterogeneous rows (BATCH-HETERO-ROWS) ------------------------------------------------------
+@mutant("select_keys_of_first_row", "select rebuilt per-row dicts through a columnar form whose "
+        "keys came from the first non-empty selected row: keys first appearing later vanished",
+        "batch_ops")
+def _select_schema():
+    class Ops(BatchOps):
+        def select(self, batch, indices):
+            out = batch.select(indices)
+            for name in out.names(Kind.OBJECT):
+                rows = out[name].rows
+                schema = next((list(r) for r in rows if r), [])
+                out.fields[name] = ObjectColumn([None if r is None else
+                                                 {k: v for k, v in r.items() if k in schema}
+                                                 for r in rows])
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("micro_batch_media_by_count", "micro-batches took media from the flat image list, one "
+        "image per row whenever the image count equalled the row count (a processor's rule for "
+        "flat image lists)", "batch_ops")
+def _media_by_count():
+    class Ops(BatchOps):
+        def micro_batches(self, batch, n, shuffle_seed=None):
+            out = batch.micro_batches(n, shuffle_seed)
+            packed = {k: v for k, v in batch.fields.items()
+                      if isinstance(v, PackedTensor) and v.pack_dim == 0}
+            per_image = {k: [s for i in range(len(v)) for s in (v.row_segments(i) or [])]
+                         for k, v in packed.items()}
+            if not per_image or any(len(s) != len(batch) for s in per_image.values()):
+                return out
+            for idx, mb in out:
+                for k, segs in per_image.items():
+                    mb.fields[k] = PackedTensor.from_rows([[segs[i]] for i in idx],
+                                                          packed[k].pack_dim)
+            return out
+
+    return _with(Ops)()
+
+
+# -- model inputs against the processor (BATCH-MODEL-INPUTS) -------------------------------------
+def _policy_media(batch, name) -> bool:
+    fam = batch.family_spec
+    fs = spec(name)
+    return fs.kind is Kind.PACKED and fs.dtype_policy.value == "policy" and not (
+        fam is not None and name in fam.keep_dtype)
+
+
+@mutant("stage_inputs_normalised_twice", "the stage applied the image processor's normalisation "
+        "((x - 0.5) / 0.5) to pixel values the processor had already normalised", "batch_ops")
+def _normalised_twice():
+    class Ops(BatchOps):
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            out = batch.multimodal_inputs(stage, dtype)
+            return {k: (v - 0.5) / 0.5 if _policy_media(batch, k) and v.is_floating_point()
+                    else v for k, v in out.items()}
+
+    return _with(Ops)()
+
+
+@mutant("stage_inputs_images_reversed_in_row", "the stage gathered each sample's images from a "
+        "mapping that gave them back last first: a several-image row's images reach the model "
+        "in reverse order", "batch_ops")
+def _images_reversed():
+    class Ops(BatchOps):
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            packed = batch.packed_form()
+            for name, v in packed.fields.items():
+                if isinstance(v, PackedTensor) and v.pack_dim == 0:
+                    packed.fields[name] = PackedTensor.from_rows(
+                        [None if r is None else v.row_segments(i)[::-1]
+                         for i, r in enumerate(v.rows)], v.pack_dim)
+            return packed.multimodal_inputs(stage, dtype)
+
+    return _with(Ops)()
+
+
+# -- no aliasing (BATCH-NO-ALIAS) ----------------------------------------------------------------
+@mutant("select_shares_list_values", "select copied each dict row one level deep (dict(row)): "
+        "its per-image list values are the source row's lists", "batch_ops")
+def _shallow_rows():
+    class Ops(BatchOps):
+        def select(self, batch, indices):
+            out = batch.select(indices)
+            for name in batch.names(Kind.OBJECT):
+                col = ObjectColumn([])
+                col.rows = [None if batch[name].rows[int(i)] is None
+                            else dict(batch[name].rows[int(i)]) for i in indices]
+                out.fields[name] = col
+            return out
+
+    return _with(Ops)()
+
+
+@mutant("select_of_every_row_returns_source", "select returned its input batch when the indices "
+        "were every row in order (nothing to move)", "batch_ops")
+def _identity_select():
+    class Ops(BatchOps):
+        def select(self, batch, indices):
+            if [int(i) for i in indices] == list(range(len(batch))):
+                return batch
+            return batch.select(indices)
+
+    return _with(Ops)()
+
+
+# -- merges by value (BATCH-MERGE-BY-VALUE, BATCH-UNION) -----------------------------------------
+@mutant("concat_checks_family_by_identity", "concat checked that the batches are of one family "
+        "with `is`: a chunk whose family name came back from another process is refused",
+        "batch_ops")
+def _concat_family_identity():
+    class Ops(BatchOps):
+        def concat(self, batches):
+            for b in batches[1:]:
+                if b.family is not batches[0].family:
+                    raise ValueError(f"cannot concat batches of families {batches[0].family!r} "
+                                     f"and {b.family!r}")
+            return Batch.concat(batches)
+
+    return _with(Ops)()
+
+
+@mutant("union_compares_by_identity", "union accepted an overlapping field only when both "
+        "batches hold the same object (verl union_numpy_dict's dict == relies on the identity "
+        "shortcut)", "batch_ops")
+def _union_identity():
+    class Ops(BatchOps):
+        def union(self, a, b):
+            for name in set(a.fields) & set(b.fields):
+                if a.fields[name] is not b.fields[name]:
+                    raise ValueError(f"union: {name!r} in the two batches are not the same object")
+            return a.union(b)
+
+    return _with(Ops)()

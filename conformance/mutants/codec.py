@@ -360,3 +360,45 @@ def _cast_late():
             return out
 
     return _with(C)()
+
+
+# -- every regime, through serialisation (WIRE-REGIMES) ------------------------------------------
+@mutant("codec_state_not_on_wire", "the decoder took the batch's family from what this codec "
+        "instance last encoded, not from the wire tags: a codec in another process (a rank) "
+        "decodes the batch without its family", "codec")
+def _state_on_instance():
+    from rlconform.reference_impl.codec import FAMILY_TAG
+
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            self._family = batch.family
+            wire = super().encode(batch)
+            for t in wire.tags:
+                t.pop(FAMILY_TAG, None)
+            return wire
+
+        def decode(self, wire):
+            out = super().decode(wire)
+            out.family = getattr(self, "_family", None)
+            return out
+
+    return _with(C)()
+
+
+# -- heterogeneous rows (WIRE-HETERO-ROWS) -------------------------------------------------------
+@mutant("codec_object_keys_of_first_dict_row", "the wire schema of a per-row dict column came "
+        "from its first non-empty row: keys that first appear in a later row were dropped",
+        "codec")
+def _first_row_schema():
+    class C(ReferenceCodec):
+        def encode(self, batch):
+            fields = dict(batch.fields)
+            for name in batch.names(Kind.OBJECT):
+                rows = batch[name].rows
+                schema = next((list(r) for r in rows if r), [])
+                fields[name] = ObjectColumn([None if r is None else
+                                             {k: v for k, v in r.items() if k in schema}
+                                             for r in rows])
+            return super().encode(Batch(fields, batch.family, dict(batch.extra)))
+
+    return _with(C)()

@@ -134,3 +134,51 @@ def _stamp_caller():
             return shards, inverse
 
     return _with(M)()
+
+
+# -- no aliasing (META-NO-ALIAS) -----------------------------------------------------------------
+@mutant("meta_concat_shares_tags", "concat joined the parts' tag lists without copying them: the "
+        "joined meta's tag dicts are the parts' own", "meta")
+def _concat_shares():
+    class M(BatchMeta):
+        @staticmethod
+        def concat(metas):
+            metas = list(metas)
+            out = BatchMeta.concat(metas)
+            return M(out.partition, out.keys, out.fields, out.seq_lens,
+                     [t for m in metas for t in m.tags], out.extra)
+
+    return _with(M)()
+
+
+@mutant("dp_shard_copies_tags_shallowly", "DP shards copied each tag dict one level deep "
+        "(dict(tag)): the nested shapes and object-column entries are the driver's own",
+        "meta")
+def _shallow_shards():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            index = {k: i for i, k in enumerate(self.keys)}
+            for s in shards:
+                s.tags = [dict(self.tags[index[k]]) for k in s.keys]
+            return shards, inverse
+
+    return _with(M)()
+
+
+# -- merges by value (META-MERGE-BY-VALUE) -------------------------------------------------------
+@mutant("meta_concat_compares_by_identity", "concat checked that the metas share a partition "
+        "with `is`: a meta whose partition name came back from another process is refused",
+        "meta")
+def _concat_identity():
+    class M(BatchMeta):
+        @staticmethod
+        def concat(metas):
+            metas = list(metas)
+            for m in metas[1:]:
+                if m.partition is not metas[0].partition:
+                    raise ValueError(f"cannot concat metas of partitions {metas[0].partition!r} "
+                                     f"and {m.partition!r}")
+            return BatchMeta.concat(metas)
+
+    return _with(M)()
