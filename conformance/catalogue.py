@@ -374,9 +374,10 @@ _REGIME_CLAUSES = [
         "not divide, with and without a shuffle seed) MUST leave every batch and index list "
         "they are given bit for bit as it was.",
         "batch_ops",
-        INTACT + "; a pad or a shuffle applied to the caller's batch (frameworks' in-place "
-        "DataProto and tensor-dict updates) misaligns it with everything computed before",
-        ("pad_writes_caller_fields", "shuffle_permutes_caller_batch"),
+        INTACT + "; a cast or a shuffle applied to the caller's batch (frameworks' in-place "
+        "DataProto and tensor-dict updates) changes it for every later stage and misaligns it "
+        "with everything computed before",
+        ("stage_inputs_cast_caller_media", "shuffle_permutes_caller_batch"),
     ),
     Clause(
         "WIRE-REGIMES",

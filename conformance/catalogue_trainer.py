@@ -319,3 +319,34 @@ TRAINER_CLAUSES: list[Clause] = [
         also=("rollout",),
     ),
 ]
+
+
+# -- order-free passes and intact pass inputs: kinds of check that hold whatever the step -------
+TRAINER_CLAUSES += [
+    Clause(
+        "TRAIN-ORDER-FREE",
+        "The logprob, reference-logprob and train passes MUST give every row the same outputs "
+        "(the logprob column stored under its key; the train pass's per-token loss and "
+        "token_mult_prob_error) whatever order the meta lists the keys in: the put order, "
+        "reversed, shuffled, interleaved, as interleaved shards passed in turn, or as the DP "
+        "shards concatenated.",
+        "trainer",
+        "DP balancing, rank shards and filters hand the trainer keys in another order than "
+        "they were put; a trainer that pairs what it fetched with the meta's keys by position, "
+        "where the store answered in its own order, writes one row's logprobs under another's "
+        "key, and every clause that passes metas in put order passes",
+        ("trainer_fetches_in_put_order",),
+        regime="bitwise per row with one row per micro-batch (micro_batch_size 1): every row's "
+        "forward sees the same inputs and padding in every order (BACKGROUND.md s7).",
+    ),
+    Clause(
+        "TRAIN-INPUT-INTACT",
+        "Every meta handed to a logprob, reference-logprob or train pass (DP shards of uneven "
+        "size included) MUST be unchanged afterwards: keys, fields, seq_lens, tags and extra.",
+        "trainer",
+        "the driver keeps the shard metas it dispatched (to collect, to retry, to clear the "
+        "step's keys); a pass that extends or reorders them in place changes what the driver "
+        "holds with no error",
+        ("trainer_extends_caller_meta",),
+    ),
+]

@@ -22,7 +22,8 @@ class Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
-_MODULES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks")
+_MODULES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks",
+            "trainer_order")
 
 
 def mutant(name: str, defect: str, surface: str):

@@ -18,6 +18,13 @@ def _with(cls):
     return lambda: build(batch_ops=cls)
 
 
+def _policy_media(batch, name) -> bool:
+    fam = batch.family_spec
+    fs = spec(name)
+    return fs.kind is Kind.PACKED and fs.dtype_policy.value == "policy" and not (
+        fam is not None and name in fam.keep_dtype)
+
+
 def _map_segments(v: PackedTensor, fn) -> PackedTensor:
     return PackedTensor([fn(s) for s in v.segments], v.rows, v.pack_dim)
 
@@ -371,13 +378,18 @@ def _ignores_seed():
 
 
 # -- inputs never modified (BATCH-INPUT-INTACT) --------------------------------------------------
-@mutant("pad_writes_caller_fields", "padding wrote the padded per-token tensors into the caller's "
-        "batch (batch.fields.update) and returned it", "batch_ops")
-def _pad_in_place():
+@mutant("stage_inputs_cast_caller_media", "the stage cast the caller's pixel segments to the "
+        "stage dtype in place (assigned back into the batch's media) before building inputs",
+        "batch_ops")
+def _stage_cast_in_place():
     class Ops(BatchOps):
-        def pad_to(self, batch, seq_len):
-            batch.fields.update(batch.pad_to(seq_len).fields)
-            return batch
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            if dtype is not None:
+                for name, v in batch.fields.items():
+                    if isinstance(v, PackedTensor) and _policy_media(batch, name):
+                        v.segments[:] = [s.to(dtype) if s.is_floating_point() else s
+                                         for s in v.segments]
+            return batch.multimodal_inputs(stage, dtype)
 
     return _with(Ops)()
 
@@ -453,13 +465,6 @@ def _media_by_count():
 
 
 # -- model inputs against the processor (BATCH-MODEL-INPUTS) -------------------------------------
-def _policy_media(batch, name) -> bool:
-    fam = batch.family_spec
-    fs = spec(name)
-    return fs.kind is Kind.PACKED and fs.dtype_policy.value == "policy" and not (
-        fam is not None and name in fam.keep_dtype)
-
-
 @mutant("stage_inputs_normalised_twice", "the stage applied the image processor's normalisation "
         "((x - 0.5) / 0.5) to pixel values the processor had already normalised", "batch_ops")
 def _normalised_twice():

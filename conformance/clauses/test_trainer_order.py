@@ -1,0 +1,177 @@
+"""Order is free: a trainer's passes give each row the same outputs whatever order its meta lists
+the keys in, and leave the metas they are given as they were.
+
+The driver's meta reaches the trainer in orders other than the one the keys were put in: DP
+balancing sorts rows by length, a rank's shard interleaves the batch, a filter or a shuffle
+reorders it. A trainer that pairs what it fetched with the meta's keys by position, where the
+fetch came back in the store's order, writes one row's logprobs under another's key, and only a
+reordered meta shows it. The regime in which the per-row outputs are bitwise: one row per
+micro-batch (micro_batch_size 1), so every row's forward sees the same inputs, padding included,
+in every order (BACKGROUND.md s7: same micro-batch, bitwise logprobs on CPU).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+import torch
+
+from rlconform.conformance.clauses._memory import new_trainer
+from rlconform.conformance.clauses.test_trainer import GROUP, Rollouts
+from rlconform.reference_impl.codec import WireBatch
+from rlconform.reference_impl.grpo import mint_keys, put_advantages, write_rollout
+from rlconform.reference_impl.registry import Stage
+from rlconform.reference_impl.trainer import OUTPUT_FIELD
+
+from ._check import assert_bit_equal, assert_unchanged, snapshot
+
+FAMILIES = ("qwen2_vl", "smolvlm", "text")
+REWARDS_SEED = 3
+
+
+@pytest.fixture(scope="module")
+def rollouts(device, dtype, seed):
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    yield Rollouts.shared(device, dtype, seed)
+    torch.set_num_threads(threads)
+
+
+def _orders(meta_cls, n: int, meta) -> dict[str, list]:
+    """Row orders other than the put order, each as a list of metas passed in turn."""
+    rng = random.Random(REWARDS_SEED)
+    shuffled = list(range(n))
+    rng.shuffle(shuffled)
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    shards, _ = meta.shard_for_dp(2)
+    return {
+        "put order": [meta],
+        "reversed": [meta.subset(list(range(n))[::-1])],
+        "shuffled": [meta.subset(shuffled)],
+        "interleaved": [meta.subset(odds + evens)],
+        "interleaved shards": [meta.subset(odds), meta.subset(evens)],
+        "DP-balanced shards": [meta_cls.concat(shards)],
+    }
+
+
+def _column(transport, codec, meta, keys: list[str], name: str) -> list[torch.Tensor]:
+    """Each key's row of column `name` as stored, cut at the row's length."""
+    cols, tags = transport.get(meta.partition, keys, select_fields=[name, "input_lengths"])
+    batch = codec.decode(WireBatch(cols, tags))
+    return [batch[name][i, :n] for i, n in enumerate(batch.seq_lens.tolist())]
+
+
+def _write(batch, transport, codec, meta_cls):
+    part = f"order-{uuid.uuid4().hex[:8]}"
+    keys = mint_keys(len(batch), GROUP)
+    meta = write_rollout(batch, transport, codec, meta_cls, part, keys)
+    adv = torch.linspace(-1.0, 1.0, len(batch))  # distinct per row: the loss tells rows apart
+    return put_advantages(batch, adv, transport, codec, meta, part, keys), keys
+
+
+@pytest.mark.clause("TRAIN-ORDER-FREE")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprob_passes_give_each_row_the_same_values_in_any_order(
+        backend, transport, codec, meta_cls, rollouts, family):
+    batch, _, _ = rollouts.get(family)
+    n = len(batch)
+    assert len(set(batch.seq_lens.tolist())) > 1, "fixture lost its rows of unequal length"
+    meta, keys = _write(batch, transport, codec, meta_cls)
+    trainer = new_trainer(backend, rollouts.settings(family, micro_batch_size=1), transport, codec)
+    want: dict = {}
+    try:
+        for what, metas in _orders(meta_cls, n, meta).items():
+            for stage in (Stage.LOGPROB, Stage.REFERENCE_LOGPROB):
+                for m in metas:
+                    trainer.compute_logprobs(m, stage)
+                got = _column(transport, codec, meta, keys, OUTPUT_FIELD[stage])
+                if what == "put order":
+                    want[stage] = got
+                    assert any(bool(r.ne(0).any()) for r in got), \
+                        f"the {stage.value} pass wrote only zeros"
+                    continue
+                for i, (a, b) in enumerate(zip(want[stage], got)):
+                    assert_bit_equal(a, b, f"{family}: {OUTPUT_FIELD[stage]} of row {i} (key "
+                                           f"{keys[i]!r}) after a pass over the meta in "
+                                           f"{what} order, against the put order")
+    finally:
+        transport.clear(meta.partition, keys)
+
+
+def _per_row(metric: torch.Tensor, metas, batch, keys: list[str]) -> dict[str, torch.Tensor]:
+    """A per-token metric of the train pass (order: rank -> micro-batch -> row -> token, one row
+    per micro-batch) split into each key's loss tokens."""
+    index = {k: i for i, k in enumerate(keys)}
+    counts = batch["token_mask"].sum(dim=1).tolist()
+    out, at = {}, 0
+    for m in metas:
+        for k in m.keys:
+            c = int(counts[index[k]])
+            out[k] = metric[at:at + c]
+            at += c
+    assert at == metric.numel(), f"the train pass gave {metric.numel()} values for {at} tokens"
+    return out
+
+
+@pytest.mark.clause("TRAIN-ORDER-FREE")
+@pytest.mark.parametrize("family", FAMILIES[:2])
+def test_train_pass_gives_each_row_the_same_loss_in_any_order(
+        backend, transport, codec, meta_cls, rollouts, family):
+    batch, _, _ = rollouts.get(family)
+    n = len(batch)
+    settings = rollouts.settings(family, micro_batch_size=1)
+    per_order = {}
+    for what in ("put order", "reversed", "DP-balanced shards"):
+        meta, keys = _write(batch, transport, codec, meta_cls)
+        metas = _orders(meta_cls, n, meta)[what]
+        trainer = new_trainer(backend, settings, transport, codec)
+        try:
+            ready = [trainer.compute_logprobs(trainer.compute_logprobs(m, Stage.LOGPROB),
+                                              Stage.REFERENCE_LOGPROB) for m in metas]
+            result = trainer.train(ready)
+        finally:
+            transport.clear(meta.partition, keys)
+        per_order[what] = {name: _per_row(result.metrics[name], ready, batch, keys)
+                           for name in ("loss_per_token", "token_mult_prob_error")}
+    want = per_order.pop("put order")
+    assert any(bool(v.ne(0).any()) for v in want["loss_per_token"].values()), \
+        "the put-order train pass gave a zero loss on every token"
+    for what, got in per_order.items():
+        for name, rows in want.items():
+            for key, a in rows.items():
+                assert_bit_equal(a, got[name][key], f"{family}: {name} of key {key!r} in a "
+                                                    f"train pass over {what}, against put order")
+
+
+@pytest.mark.clause("TRAIN-INPUT-INTACT")
+@pytest.mark.parametrize("world", [1, 4])
+def test_passes_leave_the_metas_they_are_given_intact(backend, transport, codec, meta_cls,
+                                                     rollouts, world):
+    """A step as the driver runs it, over DP shards (4 ranks for 6 rows: uneven): every meta
+    handed to a logprob, reference or train pass is unchanged afterwards."""
+    family = "qwen2_vl"
+    batch, _, _ = rollouts.get(family)
+    meta, keys = _write(batch, transport, codec, meta_cls)
+    trainer = new_trainer(backend, rollouts.settings(family), transport, codec)
+    try:
+        shards = [s for s in meta.shard_for_dp(world)[0] if len(s)]
+        assert world == 1 or len({len(s) for s in shards}) > 1, \
+            f"test setup: shards of {[len(s) for s in shards]} rows are not uneven"
+        ready = []
+        for k, shard in enumerate(shards):
+            for stage in (Stage.LOGPROB, Stage.REFERENCE_LOGPROB):
+                before = snapshot(shard)
+                out = trainer.compute_logprobs(shard, stage)
+                assert_unchanged(before, shard, f"shard {k}'s meta given to the {stage.value} "
+                                                "pass")
+                shard = out
+            ready.append(shard)
+        before = [snapshot(m) for m in ready]
+        trainer.train(ready)
+        for k, (snap, m) in enumerate(zip(before, ready)):
+            assert_unchanged(snap, m, f"shard {k}'s meta given to the train pass")
+    finally:
+        transport.clear(meta.partition, keys)
