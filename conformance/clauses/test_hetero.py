@@ -22,9 +22,10 @@ from rlconform.fixtures.synthetic import (
     images_per_row,
     media_families,
     regime_plan,
+    row_heterogeneity,
 )
 from rlconform.reference_impl.objects import value_difference
-from rlconform.reference_impl.registry import Kind, Stage
+from rlconform.reference_impl.registry import Stage
 
 from ._check import assert_batch_equal, assert_rows, batch_rows
 
@@ -32,22 +33,7 @@ MEDIA = media_families()
 COINCIDENCES = ("images_as_rows", "one_row_holds_all")
 
 
-def _heterogeneity(batch) -> set[str]:
-    """What makes the batch's dict rows differ (the anti-vacuity check)."""
-    found = set()
-    for name in batch.names(Kind.OBJECT):
-        rows = batch[name].rows
-        if None in rows and any(r == {} for r in rows if r is not None):
-            found.add("None and {} rows")
-        keysets = [tuple(r) if r else () for r in rows]
-        if len({frozenset(k) for k in keysets}) > 1:
-            found.add("different key sets")
-        if len(set(keysets)) > len({frozenset(k) for k in keysets}):
-            found.add("keys in another order")
-        forms = {(k, isinstance(v, list)) for r in rows if r for k, v in r.items()}
-        if len(forms) > len({k for k, _ in forms}):
-            found.add("list and tensor values of one key")
-    return found
+_heterogeneity = row_heterogeneity
 
 
 def _attempt(fn):
