@@ -111,7 +111,9 @@ def _cmd_diff(a, extra) -> int:
 def _cmd_gate(a, extra) -> int:
     from rlconform.reports.gate import gate
 
-    result = gate(a.report, a.baseline)  # paths: an unreadable or invalid report exits 2
+    allow = [c.strip() for c in (a.allow_coverage_drop or "").split(",") if c.strip()]
+    # paths: an unreadable or invalid report exits 2
+    result = gate(a.report, a.baseline, allow_coverage_drop=allow)
     print(result.render())
     return result.exit_code
 
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gate", help="exit 0 only when the report may ship")
     g.add_argument("report")
     g.add_argument("--baseline", default=None)
+    g.add_argument("--allow-coverage-drop", default="", metavar="CLAUSE[,CLAUSE]|all",
+                   help="clauses the baseline tested that may go untested now (intended: a "
+                        "surface or capability dropped on purpose); without it, lost coverage "
+                        "fails the gate")
     s = sub.add_parser("scoreboard", help="every backend against every clause, from report.json "
                                           "files or directories holding them (Markdown + HTML)")
     s.add_argument("reports", nargs="+", help="report.json files, or directories: their "

@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-import inspect
 from collections import defaultdict
 
 
 def tests_by_clause() -> dict[str, list[str]]:
-    """Clause ID -> test functions tied to it, found from the clause modules' markers."""
-    import importlib
-    import pkgutil
+    """Clause ID -> test functions tied to it (`test_codec.py::test_x`), read from the clause
+    modules' `@pytest.mark.clause("ID", ...)` decorators without importing them (no torch: the
+    scoreboard and the xdist controller call this)."""
+    import ast
+    from pathlib import Path
 
     import rlconform.conformance.clauses as pkg
 
     found: dict[str, list[str]] = defaultdict(list)
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("test_"):
-            continue
-        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        for name, fn in inspect.getmembers(mod, inspect.isfunction):
-            if not name.startswith("test_"):
+    for path in sorted(Path(pkg.__path__[0]).glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
                 continue
-            for mark in getattr(fn, "pytestmark", []):
-                if mark.name == "clause":
-                    for cid in mark.args:
-                        found[cid].append(f"{info.name}.py::{name}")
-    return found
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and ast.unparse(dec.func) == "pytest.mark.clause":
+                    for arg in dec.args:
+                        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                            found[arg.value].append(f"{path.name}::{node.name}")
+    return dict(found)
 
 
 def clause_table() -> str:
