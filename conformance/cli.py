@@ -61,10 +61,13 @@ def _cmd_mutants(a, extra) -> int:
         note = f"  ERROR {row['error']}" if row.get("error") else ""
         if row["missed"] and row["killed"]:
             note += f"  (claimed, not killed by: {', '.join(row['missed'])})"
+        only_exc = [c for c in row.get("failed_by_exception_only", ()) if c in row["expected"]]
+        if only_exc:
+            note += f"  (failed only by exceptions, no assertion: {', '.join(only_exc)})"
         print(f"[{done:>{len(str(total))}}/{total} {elapsed:6.1f}s] {mark} {row['name']:36} "
               f"by {by} ({row['duration_s']:.1f}s){note}", flush=True)
 
-    against = "every clause" if a.full else "the clauses that claim to kill it"
+    against = "every test of every clause" if a.full else "the clauses that claim to kill it"
     print(f"rlconform mutants: each mutant against {against}; results as they finish",
           flush=True)
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
@@ -78,6 +81,15 @@ def _cmd_mutants(a, extra) -> int:
             print(f"  {e['mutant']}: {e['error']}")
     if survived:
         print(f"survived: {', '.join(survived)}")
+    if m.get("killed_only_by_exceptions"):
+        print("claims met only by exceptions other than a clause assertion (not kills): "
+              + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["killed_only_by_exceptions"]))
+    if a.full:
+        print(f"clause tests failed by at least one mutant: "
+              f"{len(m['tests']) - len(m['tests_without_kill'])} of {len(m['tests'])}")
+        if m["tests_without_kill"]:
+            print("clause tests no mutant fails (on a clause assertion): "
+                  + ", ".join(m["tests_without_kill"]))
     if m["claims_not_killed"]:
         print("claims that did not kill (the catalogue names the mutant, the clause passed): "
               + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
@@ -88,7 +100,8 @@ def _cmd_mutants(a, extra) -> int:
           + (f", {len(errors)} errors (no verdict)" if errors else "")
           + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
     failed = (errors or survived or m["claims_not_killed"]
-              or (m["clauses_without_kill"] and not a.only))
+              or (m["clauses_without_kill"] and not a.only)
+              or (a.full and m["tests_without_kill"] and not a.only and "-k" not in extra))
     return 1 if failed else 0
 
 
@@ -151,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
     m.add_argument("--full", action="store_true",
-                   help="run each mutant against every clause, not only the clauses that claim "
-                        "to kill it (slow; shows collateral kills)")
+                   help="run each mutant against every test of every clause, not only the "
+                        "clauses that claim to kill it, and report per clause test the mutants "
+                        "that fail it (slow: nightly and on demand); fails when a clause test "
+                        "fails on no mutant")
     d = sub.add_parser("diff", help="compare two report.json files")
     d.add_argument("old")
     d.add_argument("new")
