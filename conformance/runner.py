@@ -246,7 +246,10 @@ def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict
     for c in report["clauses"]:
         bad = [t for t in c["tests"] if t["outcome"] in ("failed", "error")]
         for t in bad:
-            tests.setdefault(t["nodeid"], t.get("failure_kind") or "exception")
+            entry = tests.setdefault(t["nodeid"], {
+                "kind": t.get("failure_kind") or "exception", "clauses": [],
+                "family": (t.get("params") or {}).get("family")})
+            entry["clauses"].append(c["id"])
         if any(t.get("failure_kind") == "assertion" for t in bad):
             failed.append(c["id"])
         elif bad:
@@ -432,8 +435,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
                "killed": bool(set(r["failed"]) & set(expected[name])),
                "missed": [c for c in expected[name] if c not in r["failed"]],
                "duration_s": r["duration_s"]}
-        if full:
-            row["failed_tests"] = r.get("failed_tests", {})
+        row["failed_tests"] = r.get("failed_tests", {})
         if error or "error" in r:
             row["error"] = error or r["error"]
         rows[name] = row
@@ -522,8 +524,23 @@ def test_kills(rows: list[dict]) -> dict[str, list[str]]:
 
     out: dict[str, list[str]] = {t: [] for fns in tests_by_clause().values() for t in fns}
     for r in rows:
-        for nodeid, kind in (r.get("failed_tests") or {}).items():
+        for nodeid, failure in (r.get("failed_tests") or {}).items():
             function = nodeid.split("[", 1)[0]
-            if kind == "assertion" and r["name"] not in out.setdefault(function, []):
+            if failure["kind"] == "assertion" and r["name"] not in out.setdefault(function, []):
                 out[function].append(r["name"])
     return dict(sorted(out.items()))
+
+
+def kills_by_family(matrix: dict) -> dict[str, dict[str, list[str]]]:
+    """mutant -> family -> the clauses that killed it on that family's tests (a clause assertion
+    in a test parametrised with that family), from a kill matrix run; family "*" collects kills
+    by tests that take no family."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for r in matrix.get("mutants") or ():
+        fams = out.setdefault(r["name"], {})
+        for failure in (r.get("failed_tests") or {}).values():
+            if failure["kind"] != "assertion":
+                continue
+            ids = fams.setdefault(failure.get("family") or "*", [])
+            ids += [c for c in failure["clauses"] if c in r["expected"] and c not in ids]
+    return out

@@ -230,3 +230,20 @@ def test_a_report_of_another_catalogue_is_marked_stale_and_families_are_shown(tm
     fam = {x.split("|")[1].strip(): x for x in md.splitlines() if x.startswith("| gemma3")}
     assert "0/1 (w1)" in fam["gemma3"]
     assert "Per model family" in sb.render_html(board)
+
+
+def test_committed_reports_are_current():
+    """Every committed report was made under the current clause catalogue (its fingerprint:
+    clause definitions and their tests): a submission that changes clauses regenerates the
+    reports (`nox -s backend_reports`), or CI fails here naming the stale ones."""
+    from rlconform.conformance.catalogue import fingerprint
+
+    current = fingerprint()
+    stale = []
+    for path in sorted((ROOT / "docs" / "backend-reports").glob("*.json")):
+        made = json.loads(path.read_text())["provenance"].get("catalogue")
+        if made != current:
+            stale.append(f"{path.name} (catalogue {made or 'not recorded'})")
+    assert not stale, (f"committed reports made under another clause catalogue than the "
+                       f"current one ({current}): {', '.join(stale)}; regenerate them with "
+                       "`nox -s backend_reports -- NAME ...`")

@@ -426,3 +426,24 @@ def test_a_run_shows_determinism_warnings_and_hides_other_user_warnings(tmp_path
     assert "non-deterministic algorithm" in out.stdout, out.stdout[-2000:]
     assert "does not have a deterministic implementation" in out.stdout, out.stdout[-2000:]
     assert "chatter" not in out.stdout, out.stdout[-2000:]
+
+
+def test_every_capability_gates_a_clause_and_the_readme_table_is_current():
+    from rlconform.conformance.backend import CAPABILITIES
+    from rlconform.conformance.docs import capability_table
+
+    gating = {cap for c in catalogue.CLAUSES for cap in c.capabilities}
+    idle = sorted(set(CAPABILITIES) - gating)
+    assert not idle, f"capabilities that gate no clause (remove them or gate clauses): {idle}"
+    unknown = sorted(gating - set(CAPABILITIES))
+    assert not unknown, f"clauses need capabilities no backend can declare: {unknown}"
+    assert capability_table() in (ROOT / "README.md").read_text(), \
+        "README's capability table is stale: paste rlconform.conformance.docs.capability_table()"
+
+
+def test_a_removed_capability_is_refused_with_the_reason():
+    from rlconform.conformance.backend import Backend
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+    with pytest.raises(ValueError, match="dim1_packing: media packed along dim 1"):
+        Backend(name="old", transport=InMemoryDataPlane, capabilities={"dim1_packing"})
