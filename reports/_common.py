@@ -103,7 +103,7 @@ def headline(report: Mapping[str, Any]) -> str:
     incomplete = s.get("incomplete", 0) or any(
         p.startswith("run interrupted") or p.startswith("run stopped") or "no clause test ran" in p
         for p in report.get("problems") or ())
-    score = "score n/a (run incomplete)" if incomplete else f"score {fmt_score(s['score'])}"
+    score = "score n/a: run incomplete" if incomplete else f"score {fmt_score(s['score'])}"
     parts = [f"{verdict_word(report)}: {s.get('passed', 0)} of {n_app} applicable clauses pass "
              f"without a waiver ({score})"]
     beside = [f"{s[k]} {STATUS_LABEL[k]}" for k in

@@ -161,16 +161,17 @@ def upgrade(obj: Any) -> Any:
     out["schema_version"] = SCHEMA_VERSION
     out["upgraded_from"] = obj["schema_version"]
     for clause in out.get("clauses") or ():
+        if clause.get("status") == "passed" and str(clause.get("message", "")).startswith(
+                "partial:"):
+            clause["status"] = "incomplete"  # 1.x passed a clause on partial evidence
         old = clause.pop("waiver", None)
         clause["waivers"] = [] if not old else [{
             "index": 1, "category": old.get("category", "backend-bug"),
             "reason": old.get("reason") or "(no reason)", "link": old.get("link"),
             "expires": old.get("expires", "1970-01-01"), "expired": bool(old.get("expired")),
             "scope": {"params": {"family": old["families"]}} if old.get("families") else {}}]
-    if isinstance(out.get("summary"), dict):
-        out["summary"].setdefault("passed_with_waivers", 0)
-        out["summary"].setdefault("incomplete", 0)
-        out["summary"]["score"] = score(out["summary"])
+    if isinstance(out.get("summary"), dict) and isinstance(out.get("clauses"), list):
+        out["summary"] = summarize_clauses(out["clauses"])
     return out
 
 

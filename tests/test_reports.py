@@ -1012,4 +1012,4 @@ def test_the_headline_is_the_honest_score_with_the_rest_beside_it(tmp_path):
     interrupted = _minimal([{"id": "DP-0", "status": "passed", "message": "", "tests": []}])
     interrupted["problems"] = ["run interrupted before every selected test reported: 3 of 9"]
     md = write_reports(interrupted, tmp_path / "int")["markdown"].read_text()
-    assert "score n/a (run incomplete)" in md and "100.0%" not in md
+    assert "score n/a: run incomplete" in md and "100.0%" not in md
