@@ -131,6 +131,19 @@ def _cmd_gate(a, extra) -> int:
     return result.exit_code
 
 
+def _cmd_memory_plan(a, extra) -> int:
+    from rlconform.conformance import gpu_memory
+
+    plan = gpu_memory.fold_report(gpu_memory.load_plan(), _load(a.report))
+    text = json.dumps(plan, indent=2) + "\n"
+    if a.write:
+        gpu_memory.PLAN_PATH.write_text(text)
+        print(f"wrote {gpu_memory.PLAN_PATH}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def _cmd_scoreboard(a, extra) -> int:
     from rlconform.reports.scoreboard import write
 
@@ -178,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="clauses the baseline tested that may go untested now (intended: a "
                         "surface or capability dropped on purpose); without it, lost coverage "
                         "fails the gate")
+    mp = sub.add_parser("memory-plan", help="fold a CUDA run's measured per-test GPU peaks "
+                                            "into the GPU memory plan (print, or --write it)")
+    mp.add_argument("report")
+    mp.add_argument("--write", action="store_true",
+                    help="write conformance/gpu_memory_plan.json (in a source checkout)")
     s = sub.add_parser("scoreboard", help="every backend against every clause, from report.json "
                                           "files or directories holding them (Markdown + HTML)")
     s.add_argument("reports", nargs="+", help="report.json files, or directories: their "
@@ -189,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     a, extra = p.parse_known_args(argv)
     handler = {"run": _cmd_run, "backends": _cmd_backends, "clauses": _cmd_clauses,
                "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate,
-               "scoreboard": _cmd_scoreboard}[a.cmd]
+               "memory-plan": _cmd_memory_plan, "scoreboard": _cmd_scoreboard}[a.cmd]
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "mutants":

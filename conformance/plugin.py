@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rlconform.conformance import catalogue, verdicts
+from rlconform.conformance import catalogue, gpu_memory, verdicts
 from rlconform.conformance.backend import SURFACES, Backend, load_backend
 from rlconform.conformance.waivers import load_expectations
 
@@ -220,6 +220,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if clash:
             raise pytest.UsageError(clash)
     config.pluginmanager.register(st, "rlconform-state")
+    _gpu_plan_preflight(config)
     _register_profiles()
     from hypothesis import settings
 
@@ -455,19 +456,70 @@ def seed(request) -> int:
     return request.config.getoption("--seed")
 
 
+GPU_PEAK_PROP = "rlconform_gpu_peak_gib"
+
+
 @pytest.fixture(autouse=True)
-def _release_device_memory(request):
-    """After each test on CUDA, free what its models held: at production widths a trainer
-    (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds its own."""
-    yield
+def _device_memory(request):
+    """On CUDA: a model test at production width first reserves its planned peak from the GPU
+    budget the workers share (conformance/gpu_memory.py: it waits while the others' tests leave
+    too little), records its own peak for the plan, and afterwards frees what its models held:
+    a trainer (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds
+    its own."""
     if not request.config.getoption("--device").startswith("cuda"):
+        yield
         return
+    import contextlib
     import gc
 
     import torch
 
-    gc.collect()
-    torch.cuda.empty_cache()
+    hold = contextlib.nullcontext()
+    ledger_path = os.environ.get(gpu_memory.LEDGER_ENV)
+    if ledger_path and _is_model_test(request.node):
+        callspec = getattr(request.node, "callspec", None)
+        family = callspec.params.get("family") if callspec else None
+        gib = gpu_memory.planned_gib(gpu_memory.load_plan(), family if isinstance(family, str)
+                                     else None, request.node.name)
+        budget = gpu_memory.budget_gib(torch.cuda.get_device_properties(0).total_memory)
+        hold = gpu_memory.reservation(gpu_memory.Ledger(ledger_path, budget), gib,
+                                      request.node.nodeid)
+    with hold:
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        peak = torch.cuda.max_memory_reserved() / 2**30
+        request.node.user_properties.append((GPU_PEAK_PROP, round(peak, 2)))
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _is_model_test(item) -> bool:
+    return any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
+               for i in _clause_ids(item))
+
+
+def _gpu_plan_preflight(config: pytest.Config) -> None:
+    """On the controller of a CUDA run at production width: share a reservation ledger with the
+    workers (through the environment they inherit) and refuse, before any test runs, a GPU too
+    small for the largest planned test."""
+    from rlconform.fixtures.sizes import PRODUCTION, PRODUCTION_MODELS, model_size
+
+    if hasattr(config, "workerinput") or not config.getoption("--device").startswith("cuda") \
+            or model_size() != PRODUCTION:
+        return
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # the device fixture says so
+    props = torch.cuda.get_device_properties(0)
+    why = gpu_memory.preflight(gpu_memory.load_plan(), list(PRODUCTION_MODELS),
+                               props.total_memory, props.name)
+    if why:
+        raise pytest.UsageError(why)
+    os.environ.setdefault(gpu_memory.LEDGER_ENV, os.path.join(
+        tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
 
 
 @pytest.fixture
@@ -561,6 +613,8 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
     r["duration_s"] += report.duration
     if report.when == "call":
         r["metrics"] = [v for k, v in report.user_properties if k == METRIC_PROP]
+    if props.get(GPU_PEAK_PROP) is not None:
+        r["gpu_peak_gib"] = props[GPU_PEAK_PROP]
     v = props.get(verdicts.VERDICT_PROP) or {}
     for index, n in (v.get("waivers") or {}).items():
         r["waivers"][index] = max(n, r["waivers"].get(index, 0))

@@ -269,6 +269,8 @@ def _test_entry(t: dict) -> dict:
         out["params"] = t["params"]
     if t.get("kind"):
         out["failure_kind"] = t["kind"]
+    if t.get("gpu_peak_gib") is not None:
+        out["gpu_peak_gib"] = t["gpu_peak_gib"]
     matched = [int(i) for i, n in (t.get("waivers") or {}).items() if n > 0]
     if matched:
         out["waived_by"] = sorted(matched)
