@@ -113,8 +113,22 @@ def conformance(session: nox.Session) -> None:
         # the report directory the run reads it from
         report_dir = args[args.index("--report-dir") + 1] if "--report-dir" in args \
             else "reports/out"
-        session.run("rlconform", "mutants", "--report-dir", report_dir)
+        session.run("rlconform", "mutants", "--report-dir", report_dir, *_mutant_regime(args))
     session.run("rlconform", "run", *args)
+
+
+def _mutant_regime(run_args: list[str]) -> list[str]:
+    """The kill matrix in the run's own regime: on CUDA, the trainer and rollout mutants at the
+    run's device, dtype and model size (data-plane mutants do not depend on the device; PR CI
+    kills them on the CPU); elsewhere every mutant on the CPU."""
+    if "--device" not in run_args or not run_args[run_args.index("--device") + 1].startswith(
+            "cuda"):
+        return []
+    out = ["--mutant-surfaces", "trainer,rollout"]
+    for opt in ("--device", "--dtype", "--model-size"):
+        if opt in run_args:
+            out += [opt, run_args[run_args.index(opt) + 1]]
+    return out
 
 
 @nox.session(**VENV)

@@ -70,8 +70,9 @@ def _cmd_mutants(a, extra) -> int:
     against = "every test of every clause" if a.full else "the clauses that claim to kill it"
     print(f"rlconform mutants: each mutant against {against}; results as they finish",
           flush=True)
+    surfaces = [x for x in (a.mutant_surfaces or "").split(",") if x]
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
-                    on_result=progress)
+                    on_result=progress, surfaces=surfaces or None)
     errors = m["errors"]
     survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
     if errors:
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--report-dir", default="reports/out")
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
+    m.add_argument("--mutant-surfaces", default="", metavar="SURFACE[,SURFACE]",
+                   help="only the mutants of these surfaces (the nightly GPU regime: "
+                        "trainer,rollout)")
     m.add_argument("--full", action="store_true",
                    help="run each mutant against every test of every clause, not only the "
                         "clauses that claim to kill it, and report per clause test the mutants "

@@ -371,14 +371,15 @@ def mutant_args_problem(extra: list[str]) -> str | None:
 
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
-                full: bool = False, on_result=None) -> dict:
+                full: bool = False, on_result=None, surfaces: list[str] | None = None) -> dict:
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
     conformance/verdicts.py failure_kind): a mutant that only makes tests raise other
     exceptions is not killed.
 
-    `on_result(row, done, total, elapsed_s)` is called as each mutant finishes."""
+    `on_result(row, done, total, elapsed_s)` is called as each mutant finishes. `surfaces`
+    keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout)."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -387,6 +388,15 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     if "--profile" not in extra:
         extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
     jobs = max(1, jobs or os.cpu_count() or 2)
+    if surfaces:
+        from rlconform.conformance.mutants import load_all
+
+        known = {m.surface for m in load_all().values()}
+        odd = sorted(set(surfaces) - known)
+        if odd:
+            raise ValueError(f"no mutants of surfaces {odd}; mutants exist for {sorted(known)}")
+        only = [n for n, m in load_all().items() if m.surface in surfaces
+                and (not only or n in only)]
     if only:
         jobs = min(jobs, len(only))
     t0 = time.time()
@@ -479,6 +489,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     ordered = [rows[n] for n in names]
     killers = {cid for r in ordered for cid in r["failed"]}
     matrix = {
+        "regime": _regime(extra),
         "mutants": ordered,
         "selection": "all clauses, every test" if full else
         "claims: the clauses that name the mutant",
@@ -544,3 +555,14 @@ def kills_by_family(matrix: dict) -> dict[str, dict[str, list[str]]]:
             ids = fams.setdefault(failure.get("family") or "*", [])
             ids += [c for c in failure["clauses"] if c in r["expected"] and c not in ids]
     return out
+
+
+def _regime(extra: list[str]) -> dict:
+    """Device, dtype, model size and profile the mutants ran at (from the options passed)."""
+    def opt(name: str, default: str) -> str:
+        return extra[extra.index(name) + 1] if name in extra else default
+
+    from rlconform.fixtures.sizes import model_size
+
+    return {"device": opt("--device", "cpu"), "dtype": opt("--dtype", "float32"),
+            "model_size": opt("--model-size", model_size()), "profile": opt("--profile", "ci")}

@@ -148,6 +148,7 @@ def gate(
         reasons.append(f"problem: {problem}")
     if report.get("deselected"):
         reasons.append(f"partial run: clauses not run: {', '.join(report['deselected'])}")
+    reasons += _kill_matrix_reasons(report.get("kill_matrix"))
 
     if baseline is not None:
         reasons += _coverage_drops(report, baseline, allow_coverage_drop)
@@ -211,3 +212,28 @@ def _coverage_drops(report: Mapping[str, Any], baseline: Mapping[str, Any],
             "is intended, pass --allow-coverage-drop " + cid + " or add it to the backend's "
             "expectations file ([coverage] allow_drop, with a reason)")
     return reasons
+
+
+def _kill_matrix_reasons(km: Mapping[str, Any] | None) -> list[str]:
+    """A report that carries a kill matrix (the reference's) fails the gate when a mutant
+    survived its claimed clauses, a claim did not kill, or a mutant's run gave no verdict: the
+    clauses were not shown able to fail in this regime."""
+    if not km:
+        return []
+    regime = km.get("regime") or {}
+    where = " in the kill matrix" + (f" ({regime.get('device')}, {regime.get('dtype')}, "
+                                     f"{regime.get('model_size')})" if regime else "")
+    out, told = [], set()
+    for m in km.get("mutants") or ():
+        if m.get("killed"):
+            continue
+        told.add(m["name"])
+        if m.get("error"):
+            out.append(f"mutant {m['name']}'s run gave no verdict{where}: {first_line(m['error'])}")
+        else:
+            out.append(f"mutant {m['name']} survived{where}: no clause assertion failed in "
+                       f"{', '.join(m.get('expected') or ()) or 'its clauses'}")
+    for c in km.get("claims_not_killed") or ():
+        if c["mutant"] not in told:
+            out.append(f"{c['clause']} claims to kill {c['mutant']} but did not{where}")
+    return out

@@ -442,6 +442,20 @@ def test_gate_fails_a_skipped_clause():
     only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP applies but was skipped")
 
 
+def test_gate_fails_a_kill_matrix_with_a_survivor_or_a_claim_that_did_not_kill():
+    report = green()
+    km = report["kill_matrix"]
+    km["regime"] = {"device": "cuda", "dtype": "bfloat16", "model_size": "production"}
+    km["mutants"][0].update(killed=False, failed=[])
+    only_reason(gate(report, today=TODAY),
+                f"mutant {km['mutants'][0]['name']} survived in the kill matrix (cuda, bfloat16, "
+                "production)")
+    report = green()
+    m = report["kill_matrix"]["mutants"][1]
+    report["kill_matrix"]["claims_not_killed"] = [{"mutant": m["name"], "clause": "DP-X"}]
+    only_reason(gate(report, today=TODAY), f"DP-X claims to kill {m['name']} but did not")
+
+
 def test_gate_fails_run_problems():
     report = green()
     report["problems"] = ["waiver for UNKNOWN-ID names no clause"]
