@@ -113,7 +113,13 @@ def conformance(session: nox.Session) -> None:
         # the report directory the run reads it from
         report_dir = args[args.index("--report-dir") + 1] if "--report-dir" in args \
             else "reports/out"
-        session.run("rlconform", "mutants", "--report-dir", report_dir, *_mutant_regime(args))
+        if os.environ.get("RLCONFORM_REUSE_KILL_MATRIX") and \
+                Path(report_dir, "mutants", "kill_matrix.json").is_file():
+            session.log("using the kill matrix already in the report dir "
+                        "(RLCONFORM_REUSE_KILL_MATRIX)")
+        else:
+            session.run("rlconform", "mutants", "--report-dir", report_dir,
+                        *_mutant_regime(args))
     session.run("rlconform", "run", *args)
 
 
