@@ -349,8 +349,8 @@ TRAINER_CLAUSES += [
         "size included) MUST be unchanged afterwards: keys, fields, seq_lens, tags and extra.",
         "trainer",
         "the driver keeps the shard metas it dispatched (to collect, to retry, to clear the "
-        "step's keys); a pass that extends or reorders them in place changes what the driver "
-        "holds with no error",
-        ("trainer_extends_caller_meta",),
+        "step's keys); a pass that extends, trims or reorders them in place changes what the "
+        "driver holds with no error",
+        ("trainer_train_consumes_caller_fields",),
     ),
 ]

@@ -76,7 +76,8 @@ def test_meta_concat_decides_by_value(meta_cls, n, cut):
         verdict = _outcome(lambda o=other: meta_cls.concat([left, o]))
         assert verdict[0] == "refused", \
             f"concat of two views sharing key {whole.keys[cut]!r} ({what} meta) was accepted"
-    other_partition = _rebuilt(meta_cls, tail, partition="another-partition")
+    other_partition = _rebuilt(meta_cls, sample_meta(meta_cls, 2, first=n),
+                               partition="another-partition")
     verdict = _outcome(lambda: meta_cls.concat([head, other_partition]))
     assert verdict[0] == "refused", "concat of metas of two partitions was accepted"
 

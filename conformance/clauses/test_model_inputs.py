@@ -65,18 +65,17 @@ def _media(name: str, features: dict, rows) -> dict:
 
 
 def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int | None = None,
-                   dtype: torch.dtype | None = None, per_sample: bool = False) -> None:
-    """`got` (a stage's model inputs for `rows`) is what the processor gives those rows: the
-    same multimodal names; media tensors bit for bit (cast to `dtype` where the policy casts);
-    per-token maps over each row's tokens (the first `cut` where truncated); and with
-    `per_sample` (rows that moved), each row's media that sample's own processor output."""
+                   dtype: torch.dtype | None = None, per_sample: bool = False) -> str | None:
+    """`got` (a stage's model inputs for `rows`) is what the processor gives those rows: media
+    tensors bit for bit (cast to `dtype` where the policy casts); per-token maps over each row's
+    tokens (the first `cut` where truncated); with `per_sample` (rows that moved), each row's
+    media that sample's own processor output. Returns why the names differ (the test asserts
+    that last, after every value it can compare), or None."""
     want = _processor(name, tuple(rows))
     lens = want["attention_mask"].sum(dim=1).tolist()
     expected = {k for k in want if FIELDS[k].multimodal}
-    assert set(got) == expected, \
-        f"{what}: model inputs {sorted(got)}, the processor gives these rows {sorted(expected)}"
     keep = FAMILIES[name].keep_dtype
-    for key in sorted(expected):
+    for key in sorted(expected & set(got)):  # values first: they say more than names
         fs, t = FIELDS[key], want[key]
         if fs.kind is Kind.PER_TOKEN:
             g = got[key]
@@ -92,8 +91,10 @@ def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int
         why = value_difference(f"{what}: {key!r} against the processor's output for these rows",
                                t, got[key])
         assert why is None, why
+    names = None if set(got) == expected else \
+        f"{what}: model inputs {sorted(got)}, the processor gives these rows {sorted(expected)}"
     if not per_sample:
-        return
+        return names
     mine = _media(name, got, rows)
     for j, i in enumerate(rows):
         own = _media(name, _processor(name, (i,)), [i])
@@ -107,6 +108,7 @@ def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int
                 continue
             why = value_difference(where, a, b)
             assert why is None, why
+    return names
 
 
 def _attempt(fn):
@@ -126,34 +128,37 @@ def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops
     assert sorted({c for c in COUNTS}) == [0, 1, 2, 3] and b == len(COUNTS), \
         "fixture lost its unequal image counts"
     every = list(range(b))
+    names: list = []  # name mismatches, asserted after every value comparison
+
+    def check(inputs, rows, what, **kw):
+        names.append(_assert_inputs(family, inputs, rows, f"{family} {form} {what}", **kw))
+
     for stage in Stage:
-        _assert_inputs(family, batch_ops.multimodal_inputs(batch, stage), every,
-                       f"{family} {form} {stage.value}")
+        check(batch_ops.multimodal_inputs(batch, stage), every, stage.value)
     cut = int(batch.seq_lens.max()) - 3
     truncated = _attempt(lambda: batch_ops.truncate(batch, cut))
     if truncated is not None:
-        _assert_inputs(family, batch_ops.multimodal_inputs(truncated, Stage.TRAIN), every,
-                       f"{family} {form} after truncate({cut})", cut=cut)
+        check(batch_ops.multimodal_inputs(truncated, Stage.TRAIN), every,
+              f"after truncate({cut})", cut=cut)
     padded = _attempt(lambda: batch_ops.pad_to(batch, batch.seq_len() + 4))
     if padded is not None:
-        _assert_inputs(family, batch_ops.multimodal_inputs(padded, Stage.TRAIN), every,
-                       f"{family} {form} after pad_to")
+        check(batch_ops.multimodal_inputs(padded, Stage.TRAIN), every, "after pad_to")
     if "batch_algebra" in backend.capabilities:
         idx = [3, 0, 4, 1, 3]  # out of order, a text-only row, a repeat
-        _assert_inputs(family, batch_ops.multimodal_inputs(batch_ops.select(batch, idx),
-                                                           Stage.TRAIN),
-                       idx, f"{family} {form} after select({idx})", per_sample=True)
+        check(batch_ops.multimodal_inputs(batch_ops.select(batch, idx), Stage.TRAIN), idx,
+              f"after select({idx})", per_sample=True)
         start = 0
         for k, part in enumerate(batch_ops.split(batch, [2, 3])):
-            rows = every[start:start + len(part)]
+            check(batch_ops.multimodal_inputs(part, Stage.LOGPROB),
+                  every[start:start + len(part)], f"split chunk {k}")
             start += len(part)
-            _assert_inputs(family, batch_ops.multimodal_inputs(part, Stage.LOGPROB), rows,
-                           f"{family} {form} split chunk {k}")
     if "micro_batching" in backend.capabilities:
         for n, seed in ((2, None), (2, 11), (3, 5)):
             for k, (idx, mb) in enumerate(batch_ops.micro_batches(batch, n, shuffle_seed=seed)):
-                _assert_inputs(family, batch_ops.multimodal_inputs(mb, Stage.TRAIN), list(idx),
-                               f"{family} {form} micro-batch {k} of {n} (shuffle_seed {seed})",
-                               per_sample=True)
-    _assert_inputs(family, batch_ops.multimodal_inputs(batch, Stage.TRAIN, torch.bfloat16),
-                   every, f"{family} {form} train in bfloat16", dtype=torch.bfloat16)
+                check(batch_ops.multimodal_inputs(mb, Stage.TRAIN), list(idx),
+                      f"micro-batch {k} of {n} (shuffle_seed {seed})", per_sample=True)
+    problems = sorted({n for n in names if n})
+    assert not problems, "; ".join(problems)
+    check(batch_ops.multimodal_inputs(batch, Stage.TRAIN, torch.bfloat16), every,
+          "train in bfloat16", dtype=torch.bfloat16)
+    assert names[-1] is None, names[-1]

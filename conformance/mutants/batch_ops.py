@@ -378,8 +378,9 @@ def _ignores_seed():
 
 
 # -- inputs never modified (BATCH-INPUT-INTACT) --------------------------------------------------
-@mutant("stage_inputs_cast_caller_media", "the stage cast the caller's pixel segments to the "
-        "stage dtype in place (assigned back into the batch's media) before building inputs",
+@mutant("stage_inputs_cast_caller_media", "the stage cast the caller's pixel media to the "
+        "stage dtype in place (assigned back into the batch's segments and per-row dicts) "
+        "before building inputs",
         "batch_ops")
 def _stage_cast_in_place():
     class Ops(BatchOps):
@@ -389,6 +390,12 @@ def _stage_cast_in_place():
                     if isinstance(v, PackedTensor) and _policy_media(batch, name):
                         v.segments[:] = [s.to(dtype) if s.is_floating_point() else s
                                          for s in v.segments]
+                    elif isinstance(v, ObjectColumn):  # the same, in the per-row dicts
+                        for row in v.rows:
+                            for key, x in (row or {}).items():
+                                if _policy_media(batch, key):
+                                    row[key] = [t.to(dtype) for t in x] if isinstance(x, list) \
+                                        else x.to(dtype)
             return batch.multimodal_inputs(stage, dtype)
 
     return _with(Ops)()
@@ -484,12 +491,13 @@ def _images_reversed():
     class Ops(BatchOps):
         def multimodal_inputs(self, batch, stage, dtype=None):
             packed = batch.packed_form()
+            fields = dict(packed.fields)
             for name, v in packed.fields.items():
                 if isinstance(v, PackedTensor) and v.pack_dim == 0:
-                    packed.fields[name] = PackedTensor.from_rows(
+                    fields[name] = PackedTensor.from_rows(
                         [None if r is None else v.row_segments(i)[::-1]
                          for i, r in enumerate(v.rows)], v.pack_dim)
-            return packed.multimodal_inputs(stage, dtype)
+            return Batch(fields, batch.family).multimodal_inputs(stage, dtype)
 
     return _with(Ops)()
 

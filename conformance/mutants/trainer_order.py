@@ -30,16 +30,17 @@ def _put_order():
     return _backend(T)
 
 
-@mutant("trainer_extends_caller_meta", "a logprob pass appended its output column to the "
-        "caller's meta.fields and returned that same meta (with_fields in place)", "trainer")
-def _extends_meta():
+@mutant("trainer_train_consumes_caller_fields", "the train pass took the logprob columns it "
+        "consumed off the fields of the metas it was given (meta.fields.remove), in place",
+        "trainer")
+def _consumes_fields():
     class T(DataPlaneTrainer):
-        def compute_logprobs(self, meta, stage):
-            name = OUTPUT_FIELD[stage]
-            batch = self.fetch(meta, stage)
-            self.put_column(meta, batch, name, self.core.logprobs(batch, stage))
-            if name not in meta.fields:
-                meta.fields.append(name)
-            return meta
+        def train(self, meta):
+            result = super().train(meta)
+            for m in list(meta) if isinstance(meta, (list, tuple)) else [meta]:
+                for name in OUTPUT_FIELD.values():
+                    if name in m.fields:
+                        m.fields.remove(name)
+            return result
 
     return _backend(T)
