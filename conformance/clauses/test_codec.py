@@ -49,31 +49,32 @@ def _uniform(family: str) -> list[RowPlan]:
 @pytest.mark.clause("WIRE-JAGGED")
 @pytest.mark.parametrize("family", MEDIA)
 def test_uniform_rows_stay_jagged(codec, family):
+    """Each packed field's column is jagged with one row per sample holding exactly that sample's
+    values (in any row layout: flattened, or `(entries, *trailing dims)`), also when every row
+    has one segment of one shape; a data-parallel rank that fetches some keys gets exactly those
+    samples' media. How a codec records segment shapes (tags, trailing dims, a companion column)
+    is its own business: the decode is judged by the model inputs it gives back."""
     batch = build_batch(family, _uniform(family))
     wire = codec.encode(batch)
-    for name in FAMILIES[family].packed_fields():
-        if name not in batch:
-            continue
+    media = [n for n in FAMILIES[family].packed_fields() if n in batch]
+    assert media, f"{family}: the fixture has no packed field"
+    for name in media:
         col = wire.columns.get(name)
         assert col is not None, f"packed field {name!r} has no wire column"
         assert col.is_nested, f"packed field {name!r} went dense on the wire: {list(col.shape)}"
+        rows = col.unbind()
+        assert len(rows) == len(batch), \
+            f"packed field {name!r} has {len(rows)} wire rows for {len(batch)} samples"
         v = batch[name]
-        for i, row in enumerate(col.unbind()):
+        for i, row in enumerate(rows):
             segs = v.row_segments(i)
             if segs is None:  # e.g. the videos of an image-only row
-                assert row.numel() == 0 and wire.tags[i][name]["shapes"] is None, \
+                assert row.numel() == 0, \
                     f"{name!r} row {i} has no media but carries {row.numel()} values"
                 continue
             want = torch.cat([s.reshape(-1) for s in segs]).to(row.dtype)
-            assert_bit_equal(want, row, f"{name!r} wire row {i} is not logical row {i}")
-            assert wire.tags[i][name]["shapes"] == v.segment_shapes(i), \
-                f"{name!r} row {i}'s tag lost its segment shapes"
-    decoded = codec.decode(wire)
-    for name in FAMILIES[family].packed_fields():
-        if name in batch:
-            assert isinstance(decoded[name], PackedTensor), \
-                f"{name!r} decoded as {type(decoded[name]).__name__}, densified"
-    assert_batch_equal(batch, decoded, "uniform rows")
+            assert_bit_equal(want, row.reshape(-1), f"{name!r} wire row {i} is not logical row {i}")
+    assert_batch_equal(batch, codec.decode(wire), "uniform rows")
 
 
 @pytest.mark.clause("WIRE-JAGGED")
@@ -81,9 +82,13 @@ def test_shared_segments_travel_per_logical_row(codec):
     rows = [RowPlan(3, images=[1]), RowPlan(3, images=[3]), RowPlan(3, share_media_of=1),
             RowPlan(3, share_media_of=0)]
     batch = build_batch("qwen2_vl", rows)
-    wire = codec.encode(batch)
     pv = batch["pixel_values"]
-    for i, row in enumerate(wire.columns["pixel_values"].unbind()):
+    assert pv.is_deduplicated(), "fixture lost its shared segments"
+    wire = codec.encode(batch)
+    assert "pixel_values" in wire.columns, "pixel_values has no wire column"
+    got = wire.columns["pixel_values"].unbind()
+    assert len(got) == len(batch), f"pixel_values has {len(got)} wire rows for {len(batch)} samples"
+    for i, row in enumerate(got):
         assert row.numel() == sum(s.numel() for s in pv.row_segments(i)), \
             f"pixel_values wire row {i} does not carry logical row {i}'s media"
 
@@ -93,13 +98,19 @@ def test_shared_segments_travel_per_logical_row(codec):
 def test_none_rows_and_media_free_batches(codec, family):
     mixed = build_batch(family, [RowPlan(3, images=[1]), RowPlan(4), RowPlan(2, images=[2])])
     free = build_batch(family, [RowPlan(3), RowPlan(5)])
+    media = [n for n in FAMILIES[family].packed_fields() if n in mixed]
+    assert any(mixed[n].is_none(1) and not mixed[n].is_none(0) for n in media), \
+        f"{family}: the fixture lost its text-only row beside media rows"
     for batch in (mixed, free):
         out = codec.decode(codec.encode(batch))
         for name in FAMILIES[family].packed_fields():
             if name not in batch:
                 continue
-            want, got = batch[name], out[name]
-            assert isinstance(got, PackedTensor), f"{name!r} decoded as {type(got).__name__}"
+            want, got = batch[name], out.fields.get(name)
+            if got is None and all(want.is_none(i) for i in range(len(want))):
+                continue  # no row has this medium: no field is as good as all-None rows
+            assert isinstance(got, PackedTensor), \
+                f"{name!r} decoded as {type(got).__name__} ({'missing' if got is None else ''})"
             for i in range(len(want)):
                 if want.is_none(i):
                     assert got.is_none(i), (f"{name!r} row {i} has no media but decoded as "
