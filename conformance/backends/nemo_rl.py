@@ -347,27 +347,45 @@ def _td(columns: dict, n: int):
 
 
 # -- the rollout write and the worker read -----------------------------------------------------
+def _processor_value(segs: list, pack_dim: int):
+    """A sample's media of one field as a processor emits them for that sample: its images'
+    tensors joined on the packing dim (Qwen-VL `pixel_values [patches, 1176]`, grids
+    `[n_images, 3]`, SmolVLM tiles `[1, tiles, 3, H, W]`), or one tensor per image where their
+    trailing dims differ (images of several sizes)."""
+    import torch
+
+    one = (lambda t: t.unsqueeze(0)) if pack_dim == 1 else (lambda t: t)
+    if len({tuple(s.shape[1:]) for s in segs}) > 1:
+        return [one(s) for s in segs]
+    return one(segs[0] if len(segs) == 1 else torch.cat(segs))
+
+
 def _message_logs(batch) -> list[list[dict]]:
     """The message log each sample's rollout holds: one message with its tokens, its per-token
-    maps and, per media field, `PackedTensor(<the processor's value for this sample>)`.
-
-    A sample's processor value is `Batch.to_row_dicts`' row (rlconform's model of a processor's
-    per-sample output: `pixel_values [patches, 1176]`, `image_grid_thw [n_images, 3]`, SmolVLM
-    tiles `[1, tiles, 3, H, W]`), wrapped as `extract_multimodal_model_inputs` wraps a processor
-    output (`PackedTensor(value, dim_to_pack=...)`; a per-image list, where images differ in H and
-    W, with `pad_to_max_shape`, as NeMo-RL flags its placeholder-style processors). A field
-    without media in a row is absent from that row's message, as a text-only sample's is."""
+    maps and, per media field with media in that sample, `PackedTensor(<the processor's value
+    for this sample>, dim_to_pack=...)`, as `extract_multimodal_model_inputs` wraps a processor
+    output. A field without media in a sample is absent from its message, as in a text-only
+    sample's; no registry of rlconform's decides what enters (an unregistered field enters
+    like any other, and NeMo-RL's code decides what happens to it)."""
     import torch
 
     from rlconform.reference_impl.packed import PackedTensor as RPT
 
-    nr = nemo()
-    NPT = nr.PackedTensor
+    NPT = nemo().PackedTensor
     lens = batch.seq_lens.tolist()
     packed = {n: v for n, v in batch.fields.items() if isinstance(v, RPT)}
-    rows = batch.to_row_dicts("multi_modal_inputs")["multi_modal_inputs"].rows if packed else [None] * len(lens)
-    # NeMo-RL sets pad_to_max_shape per processor and key, so for every sample alike
-    padded = {name for r in rows if r for name, value in r.items() if isinstance(value, list)}
+    values = [{name: _processor_value(v.row_segments(i), v.pack_dim)
+               for name, v in packed.items() if not v.is_none(i)} for i in range(len(lens))]
+    # NeMo-RL sets pad_to_max_shape per processor and key, for every sample alike
+    # (multimodal_utils.get_pad_to_max_shape: the placeholder-style processors' pixel_values,
+    # whose tiles differ in size); without it its as_tensor and to_nested_wire reject values
+    # whose trailing dims differ. The adapter sets it for exactly the fields whose values do.
+    trailing: dict[str, set] = {}
+    for row in values:
+        for name, value in row.items():
+            for t in value if isinstance(value, list) else [value]:
+                trailing.setdefault(name, set()).add(tuple(t.shape[1:]))
+    padded = {name for name, shapes in trailing.items() if len(shapes) > 1}
     logs = []
     for i, n in enumerate(lens):
         msg: dict = {"role": "user", "content": ""}
@@ -375,10 +393,9 @@ def _message_logs(batch) -> list[list[dict]]:
             v = batch.fields.get(name)
             if isinstance(v, torch.Tensor) and v.dim() == 2:
                 msg[key] = v[i, :n]
-        for name, value in (rows[i] or {}).items():
-            dim = packed[name].pack_dim if name in packed else 0
-            msg[name] = NPT(list(value) if isinstance(value, list) else value,
-                            dim_to_pack=dim, pad_to_max_shape=name in padded)
+        for name, value in values[i].items():
+            msg[name] = NPT(value, dim_to_pack=packed[name].pack_dim,
+                            pad_to_max_shape=name in padded)
         logs.append([msg])
     return logs
 
@@ -771,7 +788,7 @@ def backend() -> Backend:
     data path) is not importable (`rlconform backends` and `--backend nemo-rl` print it)."""
     nr = nemo()
     nr.check_sequence_dim()  # import it now, so the description says how
-    b = Backend(
+    return Backend(
         name="nemo-rl",
         description=f"{_version()} from {nr.root} ({nr.path_label}): NoOpDataPlaneClient "
                     "transport; codec = batched_message_log_to_flat_message, the rollout "
@@ -786,7 +803,5 @@ def backend() -> Backend:
         capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "dp"}),
         notes=dict(NOTES),
         version=_version(),
+        expectations=expectations_name(),
     )
-    if "expectations" in {f.name for f in dataclasses.fields(Backend)}:
-        b.expectations = expectations_name()
-    return b

@@ -56,8 +56,10 @@ def test_uniform_rows_stay_jagged(codec, family):
     is its own business: the decode is judged by the model inputs it gives back."""
     batch = build_batch(family, _uniform(family))
     wire = codec.encode(batch)
-    media = [n for n in FAMILIES[family].packed_fields() if n in batch]
-    assert media, f"{family}: the fixture has no packed field"
+    # a field no row has media for needs no column (no consumer reads one)
+    media = [n for n in FAMILIES[family].packed_fields()
+             if n in batch and any(not batch[n].is_none(i) for i in range(len(batch)))]
+    assert media, f"{family}: the fixture has no media"
     for name in media:
         col = wire.columns.get(name)
         assert col is not None, f"packed field {name!r} has no wire column"
