@@ -766,12 +766,6 @@ NOTES = {
                "codec's encode",
     "object_columns": "NoOpDataPlaneClient.put_samples rejects non-tensor leaves ('No pickle on "
                       "the bus'); only the TransferQueue adapter passes NonTensorStack leaves",
-    "media_dedup": "NeMo-RL's PackedTensor shares segments in memory, but its data plane carries "
-                   "one merged row per sample (PR #2957: to_nested_wire) or no media (7ea279a)",
-    "dim1_packing": "NeMo-RL packs SmolVLM tiles with dim_to_pack=1 in memory; its wire encoder "
-                    "(PackedTensor.to_nested_wire) raises NotImplementedError for dim_to_pack=1, "
-                    "and 7ea279a carries no media",
-    "cuda": "the adapter runs NeMo-RL's CPU data-path functions only",
     "batch_algebra": "not wrapped yet: BatchedDataDict.select_indices / from_batches / slice "
                      "are NeMo-RL's select / concat / split (a later adapter version)",
     "micro_batching": "BatchedDataDict.make_microbatch_iterator takes a micro-batch size that "
@@ -800,7 +794,7 @@ def backend() -> Backend:
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
         batch_ops=NemoRLBatchOps,
-        capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "dp"}),
+        capabilities=frozenset({"partitions", "bfloat16", "dp"}),
         notes=dict(NOTES),
         version=_version(),
         expectations=expectations_name(),
