@@ -131,10 +131,11 @@ _DATA_PLANE_CLAUSES = [
     ),
     Clause(
         "WIRE-JAGGED",
-        "a packed field MUST travel as a jagged column with one row per sample holding exactly "
-        "that sample's values (in any row layout), even when every row has one segment of one "
-        "shape, so that a data-parallel rank fetching some keys gets exactly those samples' "
-        "media; it decodes to the same model inputs.",
+        "a packed field MUST travel with one wire row per sample holding exactly that sample's "
+        "values (a jagged column in any row layout, or the sample's entry in a column of "
+        "per-row dicts), never densified, even when every row has one segment of one shape, so "
+        "that a data-parallel rank fetching some keys gets exactly those samples' media; it "
+        "decodes to the same model inputs.",
         "codec",
         B3 + "decoder densified nested rows that happened to share a shape (row boundaries lost "
         "whenever every sample has one image)",

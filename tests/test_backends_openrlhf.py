@@ -137,9 +137,9 @@ def test_validate_is_split_experience_batchs_row_check():
 def test_truncate_and_pad_say_openrlhf_has_none():
     ops = adapter.OpenRLHFBatchOps()
     batch = build_batch("qwen2_vl", default_plan("qwen2_vl"))
-    with pytest.raises(NotImplementedError, match="no batch truncation"):
+    with pytest.raises(adapter.OpenRLHFHasNone, match="no batch truncation"):
         ops.truncate(batch, 3)
-    with pytest.raises(NotImplementedError, match="longest row"):
+    with pytest.raises(adapter.OpenRLHFHasNone, match="longest row"):
         ops.pad_to(batch, 30)
 
 

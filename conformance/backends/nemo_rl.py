@@ -454,14 +454,18 @@ def rollout_write(batch, client, partition: str, pixel_dtype=None):
     if nr.media_step == WIRE_ENCODER:
         kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
         for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():
+            refused = None
             try:
                 for wk, wv in nr.multimodal_utils.encode_multimodal_for_wire(k, v):
                     bulk[wk] = wv
             except NotImplementedError as exc:
+                refused = str(exc)
+            if refused is not None:
                 # NeMo-RL's own limit (PackedTensor.to_nested_wire refuses dim_to_pack != 0),
-                # not a surface this adapter left unimplemented: raised as NeMo-RL's failure
+                # not a surface this adapter left unimplemented, which is what rlconform reads a
+                # NotImplementedError as (anywhere in the chain): raised outside the handler
                 raise NemoRLUnsupported(f"NeMo-RL's encode_multimodal_for_wire({k!r}) raised "
-                                        f"NotImplementedError: {exc}") from exc
+                                        f"NotImplementedError: {refused}")
     else:
         kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
         for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():

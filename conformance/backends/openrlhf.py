@@ -93,6 +93,11 @@ def orl() -> _OpenRLHF:
     return _ORL
 
 
+
+class OpenRLHFHasNone(RuntimeError):
+    """OpenRLHF has no function for this batch operation (an "unsupported" waiver covers it);
+    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
+
 # -- rlconform Batch <-> OpenRLHF Experience ------------------------------------------------------
 def _form(batch) -> dict:
     """How `batch` holds its fields, to give OpenRLHF's results back in the same form: the field
@@ -253,13 +258,13 @@ class OpenRLHFBatchOps:
         self._o = orl()
 
     def truncate(self, batch, max_len: int):
-        raise NotImplementedError(
+        raise OpenRLHFHasNone(
             "OpenRLHF 0.11.2 has no batch truncation: the rollout cuts each response to max_len "
             "once, as it becomes an Experience (SamplesGenerator._process_response_into_experience, "
             "which imports vLLM); no function narrows a batch")
 
     def pad_to(self, batch, seq_len: int):
-        raise NotImplementedError(
+        raise OpenRLHFHasNone(
             "OpenRLHF 0.11.2 pads only to the longest row of the tensors it joins "
             "(utils.zero_pad_sequences inside make_experience_batch / concat_experiences); no "
             "function pads a batch to a given length")

@@ -55,6 +55,11 @@ def _verl():
             f"--backend verl installs them): {exc}") from exc
 
 
+
+class VerlHasNone(RuntimeError):
+    """verl has no function for this batch operation (an "unsupported" waiver covers it);
+    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
+
 # -- rlconform Batch <-> verl's containers -------------------------------------------------------
 _FORM = "rlconform_media_form"  # DataProto.meta_info / codec tag: how the Batch held its media
 
@@ -429,7 +434,7 @@ class VerlBatchOps:
         _verl()
 
     def truncate(self, batch, max_len: int):
-        raise NotImplementedError(
+        raise VerlHasNone(
             "verl 0.9.1 has no batch truncation: torch_functional.postprocess_data truncates only "
             "input_ids and attention_mask of a tokenizer output, and the no-padding path "
             "(workers/utils/padding.py) never cuts a batch to a length")
