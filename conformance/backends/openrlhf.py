@@ -129,8 +129,10 @@ def _sample_experience(batch, i: int, media, rows: bool):
         if not isinstance(v, torch.Tensor):
             continue
         row = v[i:i + 1]
-        if name in batch.fields and spec(name).kind is Kind.PER_TOKEN:
-            row = row.narrow(spec(name).seq_axis(v.dim()), 0, n)
+        if spec(name).kind is Kind.PER_TOKEN:  # a slice, so a field shorter than the row stays so
+            cut = [slice(None)] * v.dim()
+            cut[spec(name).seq_axis(v.dim())] = slice(0, n)
+            row = row[tuple(cut)]
         if name in STEP:
             kwargs[STEP[name]] = row
         elif name in EPISODE:

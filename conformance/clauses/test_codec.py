@@ -115,8 +115,9 @@ def test_shared_segments_travel_per_logical_row(codec):
     pv = batch["pixel_values"]
     assert pv.is_deduplicated(), "fixture lost its shared segments"
     wire = codec.encode(batch)
-    assert "pixel_values" in wire.columns, "pixel_values has no wire column"
-    got = wire.columns["pixel_values"].unbind()
+    col = wire.columns.get("pixel_values")
+    got = col.unbind() if col is not None else _dict_rows_holding(wire, "pixel_values", len(batch))
+    assert got is not None, "pixel_values has no wire column, and no per-row dict column holds it"
     assert len(got) == len(batch), f"pixel_values has {len(got)} wire rows for {len(batch)} samples"
     for i, row in enumerate(got):
         assert row.numel() == sum(s.numel() for s in pv.row_segments(i)), \
