@@ -17,7 +17,7 @@ import torch
 
 ENABLE = ("nemo-rl adapter tests need a NeMo-RL checkout: NEMO_RL_SRC=/path/to/RL pytest "
           "tests/test_backends_nemo_rl.py (or put it on PYTHONPATH / pip install -e it), plus "
-          "`pip install tensordict datasets`")
+          "`pip install tensordict datasets requests`")
 
 if not os.environ.get("NEMO_RL_SRC") and importlib.util.find_spec("nemo_rl") is None:
     pytest.skip(ENABLE, allow_module_level=True)
