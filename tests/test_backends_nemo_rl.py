@@ -162,7 +162,7 @@ def test_transport_returns_what_noop_client_returns(nr):
     t.close()
 
 
-@pytest.mark.xfail(strict=True, reason="NeMo-RL 7ea279a: NoOpDataPlaneClient.get_samples "
+@pytest.mark.xfail(strict=True, reason="NeMo-RL 7ea279a and PR #2957: NoOpDataPlaneClient.get_samples "
                    "(codec.stack_or_nest) densifies jagged columns whose rows share a shape")
 def test_uniform_jagged_column_stays_jagged(nr):
     t = adapter.NemoRLTransport()
