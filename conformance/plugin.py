@@ -215,6 +215,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except (LookupError, TypeError, ValueError) as exc:
         raise pytest.UsageError(str(exc)) from exc
     config.stash[_KEY] = st
+    verdicts.set_adapter_source(st.backend.source)
     if not hasattr(config, "workerinput") and not config.getoption("--no-report"):
         clash = report_dir_clash(report_folder(config, st.backend), st.backend)
         if clash:
