@@ -227,7 +227,7 @@ def test_wire_encoder_rejects_dim1_packing(nr):
     if nr.media_step == adapter.TENSOR_FILTER:
         assert "pixel_values" not in adapter.NemoRLCodec().encode(batch).columns
         return
-    with pytest.raises(adapter.NemoRLUnsupported, match="dim_to_pack=0"):
+    with pytest.raises(NotImplementedError, match="dim_to_pack=0"):
         adapter.NemoRLCodec().encode(batch)
 
 

@@ -418,11 +418,6 @@ class _Recorder:
         return Recorder()
 
 
-class NemoRLUnsupported(RuntimeError):
-    """NeMo-RL's own code raised NotImplementedError for this input (rlconform reserves that
-    exception for a surface an adapter does not implement)."""
-
-
 def rollout_write(batch, client, partition: str, pixel_dtype=None):
     """NeMo-RL's rollout write of `batch` into `client`; returns the `KVBatchMeta` of the write.
 
@@ -454,18 +449,8 @@ def rollout_write(batch, client, partition: str, pixel_dtype=None):
     if nr.media_step == WIRE_ENCODER:
         kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
         for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():
-            refused = None
-            try:
-                for wk, wv in nr.multimodal_utils.encode_multimodal_for_wire(k, v):
-                    bulk[wk] = wv
-            except NotImplementedError as exc:
-                refused = str(exc)
-            if refused is not None:
-                # NeMo-RL's own limit (PackedTensor.to_nested_wire refuses dim_to_pack != 0),
-                # not a surface this adapter left unimplemented, which is what rlconform reads a
-                # NotImplementedError as (anywhere in the chain): raised outside the handler
-                raise NemoRLUnsupported(f"NeMo-RL's encode_multimodal_for_wire({k!r}) raised "
-                                        f"NotImplementedError: {refused}")
+            for wk, wv in nr.multimodal_utils.encode_multimodal_for_wire(k, v):
+                bulk[wk] = wv
     else:
         kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
         for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():
