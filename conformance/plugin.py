@@ -132,8 +132,8 @@ class RlconformState:
         self.config = config
         self.backend: Backend = load_backend(config.getoption("--backend"))
         self.expectations, self.problems = load_expectations(
-            self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
-        )
+            self.backend.expectations or self.backend.name, config.getoption("--expectations"),
+            set(catalogue.BY_ID))
         self._check_requirements(config)
         self.results: dict[str, dict] = {}
         # node ids whose run is over (a report other than a passed setup): a test interrupted
