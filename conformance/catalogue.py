@@ -111,8 +111,11 @@ _DATA_PLANE_CLAUSES = [
     # -- codec ----------------------------------------------------------------------------
     Clause(
         "WIRE-ROUNDTRIP",
-        "decode(encode(batch)) MUST equal the batch for every registered field of every family: "
-        "values, dtype, shapes, row boundaries, None rows, de-duplicated rows.",
+        "decode(encode(batch)) MUST give back every registered field of every family as its "
+        "consumers observe it: non-media fields exactly (values, dtype, shape); packed media with "
+        "each row's None-ness, each row's extent on the packing dim and the model-input tensor "
+        "bit for bit, also for de-duplicated rows. How a row's media are cut into segments is "
+        "the codec's own business.",
         "codec",
         B3 + "decoder densified nested rows that happened to share a shape; encoder walked "
         "physical segments instead of logical rows under media de-duplication",
@@ -128,9 +131,11 @@ _DATA_PLANE_CLAUSES = [
     ),
     Clause(
         "WIRE-JAGGED",
-        "packed fields MUST travel as one jagged column whose row i holds exactly the values of "
-        "logical row i, with the segment shapes on row i's tag, even when every row has one "
-        "segment of one shape.",
+        "a packed field MUST travel with one wire row per sample holding exactly that sample's "
+        "values (a jagged column in any row layout, or the sample's entry in a column of "
+        "per-row dicts), never densified, even when every row has one segment of one shape, so "
+        "that a data-parallel rank fetching some keys gets exactly those samples' media; it "
+        "decodes to the same model inputs.",
         "codec",
         B3 + "decoder densified nested rows that happened to share a shape (row boundaries lost "
         "whenever every sample has one image)",
@@ -195,10 +200,10 @@ _DATA_PLANE_CLAUSES = [
     ),
     Clause(
         "WIRE-SHAPE-TAGS",
-        "decode MUST rebuild every segment in the shape it was encoded with, from the tags and "
-        "never from its element count: media of equal size in different shapes across rows and "
-        "within a row (portrait and landscape images, transposed grids, one wide tile and "
-        "square tiles) come back in their own shapes and geometry.",
+        "decode MUST give back media of equal size in different shapes, across rows and within "
+        "a row (portrait and landscape images, transposed grids, one wide tile and square "
+        "tiles), in their own shapes and geometry as the model input shows them, from what the "
+        "encoder recorded and never from an element count.",
         "codec",
         B3 + "the decoder rebuilt media from what it assumed instead of what the encoder "
         "recorded; with dynamic resolution equal sizes do not mean equal shapes",

@@ -132,8 +132,8 @@ class RlconformState:
         self.config = config
         self.backend: Backend = load_backend(config.getoption("--backend"))
         self.expectations, self.problems = load_expectations(
-            self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
-        )
+            self.backend.expectations or self.backend.name, config.getoption("--expectations"),
+            set(catalogue.BY_ID))
         self._check_requirements(config)
         self.results: dict[str, dict] = {}
         # node ids whose run is over (a report other than a passed setup): a test interrupted
@@ -215,6 +215,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except (LookupError, TypeError, ValueError) as exc:
         raise pytest.UsageError(str(exc)) from exc
     config.stash[_KEY] = st
+    verdicts.set_adapter_source(st.backend.source)
     if not hasattr(config, "workerinput") and not config.getoption("--no-report"):
         clash = report_dir_clash(report_folder(config, st.backend), st.backend)
         if clash:
