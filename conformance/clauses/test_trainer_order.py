@@ -25,7 +25,7 @@ from rlconform.reference_impl.grpo import mint_keys, put_advantages, write_rollo
 from rlconform.reference_impl.registry import Stage
 from rlconform.reference_impl.trainer import OUTPUT_FIELD
 
-from ._check import assert_bit_equal, assert_unchanged, snapshot
+from ._check import assert_bit_equal, assert_unchanged, expect_stored, snapshot
 
 FAMILIES = ("qwen2_vl", "smolvlm", "text")
 REWARDS_SEED = 3
@@ -59,7 +59,9 @@ def _orders(meta_cls, n: int, meta) -> dict[str, list]:
 
 def _column(transport, codec, meta, keys: list[str], name: str) -> list[torch.Tensor]:
     """Each key's row of column `name` as stored, cut at the row's length."""
-    cols, tags = transport.get(meta.partition, keys, select_fields=[name, "input_lengths"])
+    cols, tags = expect_stored(
+        lambda: transport.get(meta.partition, keys, select_fields=[name, "input_lengths"]),
+        f"the pass did not store its {name!r} column")
     batch = codec.decode(WireBatch(cols, tags))
     return [batch[name][i, :n] for i, n in enumerate(batch.seq_lens.tolist())]
 
