@@ -27,7 +27,7 @@ from rlconform.fixtures.synthetic import (
 )
 from rlconform.reference_impl.batch import Batch
 
-from ._check import assert_batch_equal, assert_rows, batch_rows, expect_accepted
+from ._check import assert_batch_equal, assert_rows, batch_rows, expect_accepted, offered
 
 MEDIA = media_families()
 
@@ -86,15 +86,6 @@ def test_wire_roundtrips_in_every_regime_through_serialisation(codec, codec_fact
 
 
 # -- batch operations --------------------------------------------------------------------------
-def _offered(fn):
-    """fn()'s result; None where the backend does not offer the conversion (it raises
-    NotImplementedError: no padding to a length, no truncation)."""
-    try:
-        return fn()
-    except NotImplementedError:
-        return None
-
-
 def _uneven(b: int) -> int:
     return next((n for n in range(2, b + 1) if b % n), b)
 
@@ -108,12 +99,13 @@ def test_batch_forms_convert_in_every_regime_through_serialisation(backend, batc
     _check_regime(batch, recipe)
     rows = batch_rows(batch)
     b, s = len(batch), batch.seq_len()
-    padded = _offered(lambda: batch_ops.pad_to(batch, s + 3))
-    if padded is not None:
-        padded = _serialised(padded)
+    if offered(batch_ops, "pad_to"):
+        padded = _serialised(expect_accepted(lambda: batch_ops.pad_to(batch, s + 3),
+                                             f"{_id(recipe)}: pad_to({s + 3})"))
         assert_rows(rows, padded, f"{_id(recipe)}: pad_to({s + 3}) after serialisation")
-        back = _offered(lambda: batch_ops.truncate(padded, s))
-        if back is not None:
+        if offered(batch_ops, "truncate"):
+            back = expect_accepted(lambda: batch_ops.truncate(padded, s),
+                                   f"{_id(recipe)}: truncate(pad_to(batch), {s})")
             assert_rows(rows, back, f"{_id(recipe)}: truncate(pad_to(batch), {s})")
     if "batch_algebra" in backend.capabilities:
         sizes = [b // 2, b - b // 2] if b > 1 else [1]
