@@ -386,7 +386,7 @@ _REGIME_CLAUSES = [
     ),
     Clause(
         "WIRE-REGIMES",
-        "decode MUST rebuild the batch exactly, family included, for every family in every "
+        "decode MUST rebuild the batch exactly for every family in every "
         "layout regime (rows of truly one length, one row, one token per row, zero-length rows; "
         "media in some rows and in none), with M-RoPE position_ids [B, C, S] in each, after the "
         "wire batch was serialised (torch.save / torch.load) and handed to a fresh codec.",

@@ -331,7 +331,8 @@ TRAINER_CLAUSES += [
         "TRAIN-ORDER-FREE",
         "The logprob, reference-logprob and train passes MUST give every row the same outputs "
         "(the logprob column stored under its key; the train pass's per-token loss and "
-        "token_mult_prob_error) whatever order the meta lists the keys in: the put order, "
+        "token_mult_prob_error, as multisets since a trainer may walk rows in its own order) "
+        "whatever order the meta lists the keys in: the put order, "
         "reversed, shuffled, interleaved, as interleaved shards passed in turn, or as the DP "
         "shards concatenated.",
         "trainer",

@@ -81,8 +81,6 @@ def test_wire_roundtrips_in_every_regime_through_serialisation(codec, codec_fact
     wire = codec.encode(batch)
     out = codec_factory().decode(_serialised(wire))  # another process: a codec of its own
     assert_batch_equal(batch, out, f"{_id(recipe)}: decode(load(save(encode(batch))))")
-    assert out.family == batch.family, \
-        f"{_id(recipe)}: the decoded batch's family is {out.family!r}, encoded {batch.family!r}"
 
 
 # -- batch operations --------------------------------------------------------------------------

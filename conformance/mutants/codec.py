@@ -363,24 +363,26 @@ def _cast_late():
 
 
 # -- every regime, through serialisation (WIRE-REGIMES) ------------------------------------------
-@mutant("codec_state_not_on_wire", "the decoder took the batch's family from what this codec "
-        "instance last encoded, not from the wire tags: a codec in another process (a rank) "
-        "decodes the batch without its family", "codec")
+@mutant("codec_state_not_on_wire", "the decoder took each packed field's packing dim from what "
+        "this codec instance last encoded (a layout cache), not from the wire: a codec in another "
+        "process (a rank) rebuilds Idefics3/SmolVLM tiles and LLaVA-NeXT patches packed on dim 0",
+        "codec")
 def _state_on_instance():
-    from rlconform.reference_impl.codec import FAMILY_TAG
-
     class C(ReferenceCodec):
         def encode(self, batch):
-            self._family = batch.family
             wire = super().encode(batch)
+            self._layout = {n: v.pack_dim for n, v in batch.fields.items()
+                            if isinstance(v, PackedTensor)}
             for t in wire.tags:
-                t.pop(FAMILY_TAG, None)
+                for name in self._layout:
+                    t[name] = {k: v for k, v in t[name].items() if k != "pack_dim"}
             return wire
 
-        def decode(self, wire):
-            out = super().decode(wire)
-            out.family = getattr(self, "_family", None)
-            return out
+        def _decode_packed(self, name, col, tags):
+            layout = getattr(self, "_layout", {})
+            tags = [{**t, name: {**t[name], "pack_dim": layout.get(name, FIELDS[name].pack_dim)}}
+                    if isinstance(t.get(name), dict) else t for t in tags]
+            return super()._decode_packed(name, col, tags)
 
     return _with(C)()
 
