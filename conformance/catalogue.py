@@ -379,10 +379,10 @@ _REGIME_CLAUSES = [
         "not divide, with and without a shuffle seed) MUST leave every batch and index list "
         "they are given bit for bit as it was.",
         "batch_ops",
-        INTACT + "; a cast or a shuffle applied to the caller's batch (frameworks' in-place "
-        "DataProto and tensor-dict updates) changes it for every later stage and misaligns it "
-        "with everything computed before",
-        ("stage_inputs_cast_caller_media", "shuffle_permutes_caller_batch"),
+        INTACT + "; a cast, a shuffle or a note written into the caller's batch (frameworks' "
+        "in-place DataProto, meta_info and tensor-dict updates) changes it for every later "
+        "stage and misaligns it with everything computed before",
+        ("stage_inputs_cast_caller_media", "micro_batches_annotate_caller"),
     ),
     Clause(
         "WIRE-REGIMES",
@@ -425,9 +425,11 @@ _REGIME_CLAUSES = [
     ),
     Clause(
         "BATCH-HETERO-ROWS",
-        "from rows that differ (as in WIRE-HETERO-ROWS) stage inputs, select, split, concat and "
+        "from rows that differ (as in WIRE-HETERO-ROWS) select, split, concat and "
         "micro_batches (counts equal to the image count and to the row count) MUST keep every "
-        "key and every row's media with its row, or raise.",
+        "key and every row's media with its row, and stage inputs MUST be those of the same "
+        "media held uniformly (every key of any row, each row's media in row order), or the "
+        "operation raises.",
         "batch_ops",
         "frameworks rebuild per-row media through columnar forms whose keys come from the first "
         "row (verl list_of_dict_to_dict_of_list) and split flat media by counts (a processor "
@@ -438,7 +440,8 @@ _REGIME_CLAUSES = [
     Clause(
         "BATCH-MODEL-INPUTS",
         "for rows whose batch a family's real processor built (unequal image counts, a "
-        "text-only row), the model inputs multimodal_inputs gives for each stage, also after "
+        "text-only row; one row holding every image), the model inputs multimodal_inputs gives "
+        "for each stage, also after "
         "truncate, pad_to, select, split and micro_batches (with and without a shuffle), MUST "
         "equal what the processor produces for exactly those rows (names, dtype, shape, bits; "
         "per-token maps over each row's tokens), and each row's media MUST be that sample's "

@@ -32,12 +32,14 @@ class _Results:
         self.raised: list[str] = []
 
     def check(self, what: str, run, *sources) -> None:
-        before = [snapshot(s) for s in sources]
         try:
             results = run()
         except Exception as exc:  # noqa: BLE001 - refusals are judged elsewhere
             self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
             return
+        # the sources as the operation left them: only what mutating its results does is judged
+        # here (what the operation itself does to them is *-INPUT-INTACT's business)
+        before = [snapshot(s) for s in sources]
         touched = scribble(results)
         assert touched, f"{what}: the result holds no container to mutate"
         for k, (snap, src) in enumerate(zip(before, sources)):

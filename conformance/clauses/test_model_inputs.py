@@ -23,8 +23,9 @@ from rlconform.reference_impl.registry import FAMILIES, FIELDS, DtypePolicy, Kin
 
 from ._check import offered
 
-# images per row: unequal counts, a text-only row, more images than rows in one sample
-COUNTS = (2, 0, 1, 3, 1)
+# images per row: unequal counts, a text-only row, more images than rows in one sample; and one
+# row holding every image among text rows (pack-dim-1 media must keep it in its row)
+PATTERNS = {"mixed": (2, 0, 1, 3, 1), "one_row": (0, 0, 3, 0)}
 # the families with a real processor (fixtures/families.py), named here: importing the
 # fixtures at collection would load transformers for every run of the suite
 PROCESSOR_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm", "idefics3",
@@ -32,48 +33,50 @@ PROCESSOR_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm",
 
 
 @functools.cache
-def _rollout(name: str):
-    """(family, prompts, images) of COUNTS, built once per process."""
+def _rollout(name: str, pattern: str):
+    """(family, prompts, images) of PATTERNS[pattern], built once per process."""
     from rlconform.fixtures.families import build_family
     from rlconform.fixtures.images import make_prompts
 
     family = build_family(name, "tiny")  # processors' outputs do not depend on the size
-    prompts, images, _ = make_prompts(len(COUNTS), list(COUNTS), seed=0)
+    counts = PATTERNS[pattern]
+    prompts, images, _ = make_prompts(len(counts), list(counts), seed=0)
     return family, tuple(prompts), tuple(tuple(i) for i in images)
 
 
-def _batch(name: str, form: str):
+def _batch(name: str, form: str, pattern: str):
     """The batch a rollout holds: the processor's output for every row, in `form`."""
     from rlconform.fixtures.processed import to_batch
 
-    family, prompts, images = _rollout(name)
+    family, prompts, images = _rollout(name, pattern)
     batch = to_batch(family, family.process(list(prompts), [list(i) for i in images]),
-                     list(COUNTS))
+                     list(PATTERNS[pattern]))
     return batch if form == "packed" else batch.to_row_dicts(form)
 
 
 @functools.cache
-def _processor(name: str, rows: tuple[int, ...]) -> dict:
+def _processor(name: str, pattern: str, rows: tuple[int, ...]) -> dict:
     """The processor's output for exactly these rows (in this order): the answer."""
-    family, prompts, images = _rollout(name)
+    family, prompts, images = _rollout(name, pattern)
     return family.process([prompts[i] for i in rows], [list(images[i]) for i in rows])
 
 
-def _media(name: str, features: dict, rows) -> dict:
+def _media(name: str, pattern: str, features: dict, rows) -> dict:
     """Per-row media segments of `features` for `rows`, split by the fixture's own rule."""
-    family = _rollout(name)[0]
+    family = _rollout(name, pattern)[0]
     features = {**features, "input_ids": torch.empty(len(rows), 0)}
-    return family.per_sample_media(features, [COUNTS[i] for i in rows])
+    return family.per_sample_media(features, [PATTERNS[pattern][i] for i in rows])
 
 
-def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int | None = None,
-                   dtype: torch.dtype | None = None, per_sample: bool = False) -> str | None:
+def _assert_inputs(name: str, pattern: str, got: dict, rows: list[int], what: str, *,
+                   cut: int | None = None, dtype: torch.dtype | None = None,
+                   per_sample: bool = False) -> str | None:
     """`got` (a stage's model inputs for `rows`) is what the processor gives those rows: media
     tensors bit for bit (cast to `dtype` where the policy casts); per-token maps over each row's
     tokens (the first `cut` where truncated); with `per_sample` (rows that moved), each row's
     media that sample's own processor output. Returns why the names differ (the test asserts
     that last, after every value it can compare), or None."""
-    want = _processor(name, tuple(rows))
+    want = _processor(name, pattern, tuple(rows))
     lens = want["attention_mask"].sum(dim=1).tolist()
     expected = {k for k in want if FIELDS[k].multimodal}
     keep = FAMILIES[name].keep_dtype
@@ -97,9 +100,9 @@ def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int
         f"{what}: model inputs {sorted(got)}, the processor gives these rows {sorted(expected)}"
     if not per_sample:
         return names
-    mine = _media(name, got, rows)
+    mine = _media(name, pattern, got, rows)
     for j, i in enumerate(rows):
-        own = _media(name, _processor(name, (i,)), [i])
+        own = _media(name, pattern, _processor(name, pattern, (i,)), [i])
         for key, per_row in mine.items():
             a, b = own[key][0], per_row[j]
             where = f"{what}: row {j}'s {key!r} against sample {i}'s own processor output"
@@ -113,19 +116,25 @@ def _assert_inputs(name: str, got: dict, rows: list[int], what: str, *, cut: int
     return names
 
 
+CASES = [(f, form, "mixed") for f in PROCESSOR_FAMILIES for form in MEDIA_FORMS] + \
+    [(f, "packed", "one_row") for f in PROCESSOR_FAMILIES]
+
+
 @pytest.mark.clause("BATCH-MODEL-INPUTS")
-@pytest.mark.parametrize("form", MEDIA_FORMS)
-@pytest.mark.parametrize("family", PROCESSOR_FAMILIES)
-def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops, family, form):
-    batch = _batch(family, form)
+@pytest.mark.parametrize("family, form, pattern", CASES, ids=["-".join(c) for c in CASES])
+def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops, family, form,
+                                                               pattern):
+    batch = _batch(family, form, pattern)
+    counts = PATTERNS[pattern]
     b = len(batch)
-    assert sorted({c for c in COUNTS}) == [0, 1, 2, 3] and b == len(COUNTS), \
+    assert b == len(counts) and len(set(counts)) > 1 and 0 in counts, \
         "fixture lost its unequal image counts"
     every = list(range(b))
     names: list = []  # name mismatches, asserted after every value comparison
 
     def check(inputs, rows, what, **kw):
-        names.append(_assert_inputs(family, inputs, rows, f"{family} {form} {what}", **kw))
+        names.append(_assert_inputs(family, pattern, inputs, rows,
+                                    f"{family} {form} {pattern} {what}", **kw))
 
     for stage in Stage:
         check(batch_ops.multimodal_inputs(batch, stage), every, stage.value)
@@ -137,11 +146,11 @@ def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops
         check(batch_ops.multimodal_inputs(batch_ops.pad_to(batch, batch.seq_len() + 4),
                                           Stage.TRAIN), every, "after pad_to")
     if "batch_algebra" in backend.capabilities:
-        idx = [3, 0, 4, 1, 3]  # out of order, a text-only row, a repeat
+        idx = [3, 0, b - 1, 1, 3]  # out of order, a text-only row, a repeat
         check(batch_ops.multimodal_inputs(batch_ops.select(batch, idx), Stage.TRAIN), idx,
               f"after select({idx})", per_sample=True)
         start = 0
-        for k, part in enumerate(batch_ops.split(batch, [2, 3])):
+        for k, part in enumerate(batch_ops.split(batch, [2, b - 2])):
             check(batch_ops.multimodal_inputs(part, Stage.LOGPROB),
                   every[start:start + len(part)], f"split chunk {k}")
             start += len(part)

@@ -401,15 +401,14 @@ def _stage_cast_in_place():
     return _with(Ops)()
 
 
-@mutant("shuffle_permutes_caller_batch", "the seeded shuffle permuted the caller's rows in place "
-        "before cutting micro-batches (the indices it returns are right)", "batch_ops")
-def _shuffle_in_place():
+@mutant("micro_batches_annotate_caller", "micro-batching recorded its plan in the caller's "
+        "batch (extra['micro_batch_rows'], as DataProto.meta_info is updated in place)",
+        "batch_ops")
+def _annotate_caller():
     class Ops(BatchOps):
         def micro_batches(self, batch, n, shuffle_seed=None):
             out = batch.micro_batches(n, shuffle_seed)
-            if shuffle_seed is not None:
-                order = [i for idx, _ in out for i in idx]
-                batch.fields.update(batch.select(order).fields)
+            batch.extra["micro_batch_rows"] = [list(idx) for idx, _ in out]
             return out
 
     return _with(Ops)()
