@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from rlconform.conformance.backends.reference import build
 from rlconform.reference_impl.meta import BatchMeta
 
@@ -103,7 +105,7 @@ def _drop_none_tags():
 
 # -- inputs never modified (META-INPUT-INTACT) ---------------------------------------------------
 @mutant("meta_concat_updates_first_extra", "concat merged every meta's extras into the first "
-        "meta's own extra dict and returned it (extra = metas[0].extra; extra.update(...))",
+        "meta's own extra dict (extra = metas[0].extra; extra.update(...)) and returned a copy",
         "meta")
 def _concat_extra():
     class M(BatchMeta):
@@ -114,7 +116,8 @@ def _concat_extra():
             merged = metas[0].extra
             for m in metas[1:]:
                 merged.update(m.extra)
-            return M(out.partition, out.keys, out.fields, out.seq_lens, out.tags, merged)
+            return M(out.partition, out.keys, out.fields, out.seq_lens, out.tags,
+                     copy.deepcopy(merged))
 
     return _with(M)()
 
