@@ -43,6 +43,12 @@ REFERENCE_NAME = "reference"
 REFERENCE_SOURCE = "rlconform.conformance.backends.reference:backend"
 
 
+class StoreUnreachable(ConnectionError):
+    """Raised by a backend's `session` when the store it needs cannot be reached (a server
+    that is down, a wrong address): the run ends with this one error instead of every clause
+    failing on the same refused connection."""
+
+
 @contextlib.contextmanager
 def _no_session() -> Iterator[None]:
     yield

@@ -280,6 +280,33 @@ def test_no_aliasing(transport, mutate):
     assert_columns_equal(want, again)
 
 
+@pytest.mark.clause("DP-NO-ALIAS")
+def test_tags_are_not_aliased(transport):
+    """Tags at every depth: the caller's after put, and the ones a get returned."""
+    import copy
+
+    def tags_of(n):
+        return [{"shapes": [[i + 1, 2]], "meta": {"ids": [i]}, "t": (i, [i])} for i in range(n)]
+
+    tags = tags_of(3)
+    want = copy.deepcopy(tags)
+    assert all(isinstance(t["meta"]["ids"], list) for t in tags), "fixture lost its nesting"
+    keys, part = keys_for(3), _partition()
+    transport.put(part, keys, {"rewards": _block(3)}, tags)
+    tags[0]["shapes"][0][0] = 99
+    tags[1]["meta"]["ids"].append(-1)
+    tags[2]["t"][1].append(-1)
+    tags[0]["new"] = True
+    _, got = transport.get(part, keys, select_fields=["rewards"])
+    assert got == want, f"mutating the caller's tags after put changed the store: {got}"
+    got[0]["shapes"][0][0] = -5
+    got[1]["meta"]["ids"].clear()
+    got[2]["t"][1].append(7)
+    got[0]["fetched"] = 1
+    _, again = transport.get(part, keys, select_fields=["rewards"])
+    assert again == want, f"mutating the tags a get returned changed the store: {again}"
+
+
 @pytest.mark.clause("DP-ROUNDTRIP", "WIRE-TRANSPORT-ROUNDTRIP")
 @pytest.mark.parametrize("form", ["multi_modal_inputs", "mm_train_inputs"])
 @pytest.mark.parametrize("family", ["qwen3_vl", "idefics3", "nemotron_omni"])
