@@ -132,7 +132,8 @@ _DATA_PLANE_CLAUSES = [
         "a store that joins partition and key with a separator, or lists and clears a "
         "partition by a prefix scan, hands one partition's rows to another and clears them "
         "with it (found in an out-of-tree Redis transport that passed every other clause)",
-        ("names_joined_with_separator", "partition_list_by_prefix"),
+        ("names_joined_with_separator", "partition_list_by_prefix",
+         "partition_names_case_folded"),
         capabilities=("partitions",),
     ),
     Clause(

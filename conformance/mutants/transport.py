@@ -558,6 +558,30 @@ def _prefix_scan():
     return _with(T)()
 
 
+@mutant("partition_names_case_folded", "partition names were compared case-insensitively (a "
+        "store on a case-insensitive collation or filesystem): 'P' and 'p' are one partition",
+        "transport")
+def _case_folded():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(_fold(partition), keys, columns, tags)
+
+        def get(self, partition, keys, select_fields=None):
+            return super().get(_fold(partition), keys, select_fields)
+
+        def list(self, partition):
+            return super().list(_fold(partition))
+
+        def clear(self, partition, keys=None):
+            super().clear(_fold(partition), keys)
+
+    return _with(T)()
+
+
+def _fold(name):
+    return name.casefold() if isinstance(name, str) and name else name
+
+
 def _map_tag(v, fn):
     """`fn` applied to every float inside a tag, containers rebuilt as they were."""
     if isinstance(v, float):
