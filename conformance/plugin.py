@@ -404,6 +404,7 @@ def _backend_session(request):
         except StoreUnreachable as exc:
             # one run-level error, not every clause failing on the same refused connection
             st.problems.append(f"store unreachable: {exc}")
+            st.selected = None  # no test was left out by the run: none could be judged
             pytest.exit(f"rlconform: backend {st.backend.name!r}: the store is unreachable: "
                         f"{exc}", returncode=STORE_UNREACHABLE_EXIT)
         yield
@@ -428,7 +429,9 @@ def transport(backend):
 # -- clean-up of what the clause tests wrote -----------------------------------------------------
 # partitions the `transport` fixtures of this process wrote, swept once more at session end
 _WRITTEN: set[str] = set()
-STORE_UNREACHABLE_EXIT = 3  # pytest.ExitCode.INTERNAL_ERROR: no clause could be judged
+# the run's exit code when the store is unreachable: no clause could be judged (sysexits'
+# EX_UNAVAILABLE, runner.UNAVAILABLE)
+STORE_UNREACHABLE_EXIT = 69
 
 
 def track_writes(t) -> set[str]:
@@ -678,7 +681,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if tr is not None:
         _print_summary(tr, report, report_dir)
     interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR,
-                                 pytest.ExitCode.INTERNAL_ERROR)
+                                 pytest.ExitCode.INTERNAL_ERROR, STORE_UNREACHABLE_EXIT)
     if interrupted:
         return
     collection_failed = session.testsfailed and not st.results

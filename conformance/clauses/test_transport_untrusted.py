@@ -364,7 +364,7 @@ def test_a_field_re_put_in_another_layout_raises(transport, case, keys_of_reput)
 def _stored_layouts() -> dict[str, torch.Tensor]:
     return {
         "dense": torch.arange(6, dtype=torch.float64).reshape(3, 2),
-        "one_d": torch.arange(3, dtype=torch.long),
+        "ids": torch.arange(3, dtype=torch.long)[:, None],  # (N, 1): 1-D is DP-LAYOUT's
         "bf16_jagged": torch.nested.nested_tensor(
             [torch.ones(1 + i, 2, dtype=torch.bfloat16) for i in range(3)], layout=torch.jagged),
     }
@@ -425,8 +425,9 @@ def test_put_clear_and_list_of_no_keys(transport):
 def _two_puts(transport, part: str, n1: int, n2: int):
     """Two puts into one partition; every value and tag names its row."""
     keys = [f"first{i}" for i in range(n1)] + [f"second{i}" for i in range(n2)]
+    # dense (n, 2) and non-empty jagged rows: a 1-D column's layout is DP-LAYOUT's question
     allcols = {"d": _dense(list(range(n1 + n2))), "j": _jagged_named(list(range(n1 + n2))),
-               "s": torch.arange(n1 + n2, dtype=torch.long) * 10}
+               "s": (torch.arange(n1 + n2, dtype=torch.long) * 10)[:, None]}
     tags = [{"row": i, "name": k} for i, k in enumerate(keys)]
     for lo, hi in ((0, n1), (n1, n1 + n2)):
         _call(f"put of rows {lo}..{hi - 1}", transport.put, part, keys[lo:hi],
