@@ -372,3 +372,50 @@ def test_object_columns_roundtrip_without_aliasing(transport):
     merged, _ = transport.get(part, keys, select_fields=["multi_modal_inputs", "rewards"])
     assert want.first_difference(merged["multi_modal_inputs"]) is None, \
         "a later put of another column changed the object column"
+
+
+THROUGHPUT_REPEAT = 3
+
+
+@pytest.mark.clause("DP-ROUNDTRIP")
+def test_put_get_throughput_beside_the_reference(transport, record_metric):
+    """A realistic Qwen2-VL payload (bf16 patches, 1-3 images a row) put and fetched whole,
+    through this transport and through the in-memory reference in the same process: the
+    report carries both throughputs (MB/s, median of THROUGHPUT_REPEAT) beside each other; the
+    round trip must be exact."""
+    import statistics
+    import time
+
+    from rlconform.fixtures.synthetic import realistic_qwen_batch
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane, jagged_parts
+
+    wire = ReferenceCodec().encode(realistic_qwen_batch(16, 128))
+    data = [jagged_parts(c)[0] if c.is_nested else c for c in wire.columns.values()]
+    payload = sum(d.numel() * d.element_size() for d in data)
+    assert payload > 4e6 and "pixel_values" in wire.columns, "fixture lost its media"
+    keys, fields = keys_for(len(wire.tags)), list(wire.columns)
+
+    def rates(store) -> tuple[float, float, dict, list]:
+        puts, gets = [], []
+        for _ in range(THROUGHPUT_REPEAT):
+            part = _partition()
+            t0 = time.perf_counter()
+            store.put(part, keys, wire.columns, wire.tags)
+            t1 = time.perf_counter()
+            cols, tags = store.get(part, keys, select_fields=fields)
+            t2 = time.perf_counter()
+            store.clear(part)
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+        mb = payload / 1e6
+        return mb / statistics.median(puts), mb / statistics.median(gets), cols, tags
+
+    ref_put, ref_get, _, _ = rates(InMemoryDataPlane())
+    put, get, cols, tags = rates(transport)
+    record_metric("payload_MB", payload / 1e6)
+    record_metric("put_MBps", put)
+    record_metric("get_MBps", get)
+    record_metric("reference_put_MBps", ref_put)
+    record_metric("reference_get_MBps", ref_get)
+    assert_columns_equal(wire.columns, cols)
+    assert tags == wire.tags, "tags came back different from what was put"
