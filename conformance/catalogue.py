@@ -162,8 +162,8 @@ _DATA_PLANE_CLAUSES = [
         "DP-EMPTY",
         "calls with no keys MUST have the contract's result: get returns each field as an "
         "empty column in its stored layout and no tags (KeyError for a field or partition not "
-        "stored), put stores nothing and creates no partition, clear removes nothing, and a "
-        "partition whose keys were all cleared lists [].",
+        "stored), put stores nothing, clear removes nothing, and a partition whose keys were "
+        "all cleared lists [].",
         "transport",
         "an image-free or empty data-parallel shard asks for no keys; a store that crashes, "
         "returns no columns or a (0,) float column, or treats an empty key list as 'all keys' "

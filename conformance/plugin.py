@@ -230,11 +230,19 @@ def pytest_configure(config: pytest.Config) -> None:
 def applicability(backend: Backend, clause) -> str | None:
     """Why `clause` does not apply to `backend`, or None when it does."""
     if not any(backend.provides(s) for s in clause.surfaces):
-        return f"backend provides no {' or '.join(repr(s) for s in clause.surfaces)} surface"
+        why = _noted(backend, clause.surfaces)
+        return f"backend provides no {' or '.join(repr(s) for s in clause.surfaces)} " \
+               f"surface{why}"
     lacking = [c for c in clause.capabilities if c not in backend.capabilities]
     if lacking:
-        return f"backend does not declare {lacking}"
+        return f"backend does not declare {lacking}{_noted(backend, lacking)}"
     return None
+
+
+def _noted(backend: Backend, names) -> str:
+    """': <the backend's notes on names>' (what the report's "not tested" shows), or ''."""
+    notes = [backend.notes[n] for n in names if backend.notes.get(n)]
+    return f": {'; '.join(notes)}" if notes else ""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers we add
