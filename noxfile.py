@@ -172,6 +172,7 @@ def tests(session: nox.Session) -> None:
     _debian(session, tuple(DEBIAN))
     _install(session, "dev", "mooncake", "openrlhf", "trl")
     session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
+    session.install("redis")  # the Redis example's client (tests/test_untrusted_store.py)
     # run in their own environments: verl (tests_verl, notified below), vLLM (nox -s vllm)
     ignore = ["--ignore", "tests/test_backends_verl.py", "--ignore", "tests/test_backends_vllm.py"]
     session.log("tests/test_backends_vllm.py runs in `nox -s vllm` (vLLM pins its own torch and "

@@ -30,9 +30,15 @@ class ClauseProgress:
         self.tests_total = 0
         self.seen: set[str] = set()
 
-    def _write(self, line: str) -> None:
+    def _write(self, lines: list[str]) -> None:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
-        if tr is not None:
+        if tr is None or not lines:
+            return
+        if tr.verbosity < 0:
+            tr.write("\n")  # -q: this test's progress character ends the current line
+        else:
+            tr.ensure_newline()
+        for line in lines:
             tr.write_line(f"rlconform: {line}")
 
     def _totals(self, clauses_of: dict[str, list[str]]) -> None:
@@ -62,6 +68,7 @@ class ClauseProgress:
 
         self._totals({i: clauses(i) for i in ids})
 
+    @pytest.hookimpl(trylast=True)  # after the terminal reporter wrote the test's progress
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if hasattr(self.config, "workerinput"):
             return
@@ -77,20 +84,17 @@ class ClauseProgress:
             if failed:
                 self.failed[cid] += 1
         name = report.nodeid.rsplit("::", 1)[-1]
-        if failed:
-            for cid in clauses:
-                self._write(f"{cid}: {name} FAILED ({self.failed[cid]} failed of "
-                            f"{self.done[cid]} tests so far)")
-        if self.total is None:
-            return
-        for cid in clauses:
+        lines = [f"{cid}: {name} FAILED ({self.failed[cid]} failed of {self.done[cid]} tests "
+                 "so far)" for cid in clauses] if failed else []
+        for cid in clauses if self.total is not None else ():
             if cid not in self.finished and self.done[cid] >= self.total.get(cid, 0):
                 self.finished.add(cid)
-                self._write(
+                lines.append(
                     f"{cid} done: {self.done[cid]} tests, {self.failed[cid]} failed  "
                     f"[{len(self.finished)}/{len(self.total)} clauses, "
                     f"{self.tests_done}/{self.tests_total} tests, "
                     f"{sum(self.failed.values())} failed]")
+        self._write(lines)
 
 
 def pytest_configure(config: pytest.Config) -> None:
