@@ -388,7 +388,7 @@ backend = Backend.from_reference(
     description="example out-of-tree transport: one Redis hash per row, typed JSON tags",
     transport=RedisTransport,
     session=session,
-    capabilities={"jagged_columns", "partitions", "multiprocess"},
+    capabilities={"partitions", "multiprocess"},
     notes={"object_columns": "rows are raw tensor bytes; per-row dict columns are not stored"},
 )
 

@@ -244,9 +244,9 @@ def test_from_reference_adds_capabilities_and_removes_on_request():
     ref = Backend.from_reference("kept", codec=lambda pixel_dtype=None: None)
     assert {"dp", "batch_algebra", "micro_batching", "multiprocess"} <= ref.capabilities
     mine = Backend.from_reference("mine", transport=InMemoryDataPlane,
-                                  capabilities={"partitions"}, without={"dim1_packing"})
-    assert {"dp", "batch_algebra", "micro_batching", "partitions"} <= mine.capabilities
-    assert not {"multiprocess", "object_columns", "dim1_packing"} & mine.capabilities
+                                  capabilities={"partitions"}, without={"micro_batching"})
+    assert {"dp", "batch_algebra", "bfloat16", "partitions"} <= mine.capabilities
+    assert not {"multiprocess", "object_columns", "micro_batching"} & mine.capabilities
     with pytest.raises(ValueError, match="warp"):
         Backend.from_reference("x", without={"warp"})
 

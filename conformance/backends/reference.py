@@ -58,7 +58,7 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
         batch_ops=_batch_ops,
         trainer=_trainer,
         rollout=_rollout,
-        capabilities=frozenset(CAPABILITIES) - {"cuda"},
+        capabilities=frozenset(CAPABILITIES),
     )
     if "transport" in overrides and "capabilities" not in overrides:
         # a replaced transport cannot be reopened by rank processes unless it says so
@@ -71,7 +71,7 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
 # declares its own (the reference's in-memory store reopens across processes and holds object
 # columns; an author's store need not). Every other capability stays with the parts kept.
 SURFACE_CAPABILITIES = {
-    "transport": frozenset({"jagged_columns", "object_columns", "partitions", "multiprocess"}),
+    "transport": frozenset({"object_columns", "partitions", "multiprocess"}),
     "meta": frozenset({"dp"}),
     "batch_ops": frozenset({"batch_algebra", "micro_batching"}),
 }

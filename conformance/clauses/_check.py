@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
@@ -108,3 +109,28 @@ def assert_tags_equal(want: list, got: list, what: str) -> None:
     for i, (a, b) in enumerate(zip(want, got)):
         why = tag_difference(a, b, f"tags[{i}]")
         assert why is None, f"{what}: {why}"
+
+
+def expect_stored(read, what: str):
+    """`read()` where the clause says the data must be there: a KeyError (the transport
+    contract's "missing") is then the clause's violation, reported as such, not a crash."""
+    try:
+        return read()
+    except KeyError as exc:
+        pytest.fail(f"{what}: the store says {exc}")
+
+
+# What rejecting valid input looks like: a validator's ValueError or assert, a shape error
+# (RuntimeError, IndexError), a missing key. A TypeError, AttributeError or ImportError is a
+# broken backend (or mutant), not the clause's finding: those stay exceptions.
+REJECTIONS = (ValueError, AssertionError, RuntimeError, IndexError, KeyError)
+
+
+def expect_accepted(call, what: str):
+    """`call()` on input the clause says is valid: a rejection of it (REJECTIONS: a validator
+    refusing an aligned batch, a truncation failing on a valid length) is the clause's
+    violation, reported as such."""
+    try:
+        return call()
+    except REJECTIONS as exc:
+        pytest.fail(f"{what}: {type(exc).__name__}: {exc}")
