@@ -34,8 +34,10 @@ class ClauseProgress:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is None or not lines:
             return
-        if tr.verbosity < 0:
-            tr.write("\n")  # -q: this test's progress character ends the current line
+        if tr.verbosity <= 0:
+            # progress characters (-q, or dots under xdist, where ensure_newline does not
+            # know the line is open): this test's character ends the current line
+            tr.write("\n")
         else:
             tr.ensure_newline()
         for line in lines:
