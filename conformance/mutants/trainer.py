@@ -8,13 +8,12 @@ paths carry them and only an expected value from outside the trainer shows them.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 
+from rlconform.conformance.backends.reference_trainer import loss_options
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.loss import Objective
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import Kind, Stage, spec
 from rlconform.reference_impl.trainer import (
@@ -37,6 +36,7 @@ def _backend(dataplane_cls: type):
             codec = ReferenceCodec()
         return dataplane_cls(settings, transport, codec, model)
 
+    make_trainer.loss_options = loss_options  # the reference's: every point of the family
     return build(trainer=make_trainer)
 
 
@@ -62,6 +62,7 @@ def _shared_backend(core_cls: type):
 
     from rlconform.conformance.backends.reference import build
 
+    make_trainer.loss_options = loss_options
     return build(trainer=make_trainer)
 
 
@@ -227,10 +228,10 @@ class _MicroBatchMeanCore(GRPOCore):
                             for b in shards)
         return super().loss_normalizer(shards)
 
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         # the defect: each micro-batch's mean over its own tokens, averaged over micro-batches
         own = max(1.0, float(mb["token_mask"].sum()))
-        return super().micro_batch_loss(mb, logp, own * self._n_micro)
+        return super().micro_batch_loss(mb, logp, own * self._n_micro, entropy)
 
 
 @mutant("loss_mean_per_micro_batch", "gradient accumulation normalised each micro-batch's loss "
@@ -246,12 +247,13 @@ class _SequenceMeanCore(GRPOCore):
         super().loss_normalizer(shards)
         return float(sum(b.batch_size for b in shards))  # the defect: rows, not tokens
 
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         # each row's mean over its own tokens (a row with none counts as one), then the mean
         # over the step's rows: the weighted mask leaves the per-token metrics as they are
         mask = mb["token_mask"].to(logp.dtype)
         weighted = mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        return super().micro_batch_loss(mb.replace(token_mask=weighted), logp, normalizer)
+        return super().micro_batch_loss(mb.replace(token_mask=weighted), logp, normalizer,
+                                        entropy)
 
 
 @mutant("sequence_mean_loss", "the loss was aggregated as a sequence-mean (mean over each "
@@ -281,14 +283,13 @@ def dp_grad_wrong_divisor():
     return _shared_backend(_DPDivisorCore)
 
 
+class _ClipUpperObjective(Objective):
+    def clipped(self, ratio, cfg):
+        return ratio.clamp(max=1.0 + cfg.clip_high)  # the defect: the lower bound dropped
+
+
 class _ClipUpperCore(GRPOCore):
-    def micro_batch_loss(self, mb, logp, normalizer):
-        saved = self.settings  # the defect: clamp(max=1 + eps) only, the lower bound dropped
-        self.settings = dataclasses.replace(saved, clip_low=math.inf)
-        try:
-            return super().micro_batch_loss(mb, logp, normalizer)
-        finally:
-            self.settings = saved
+    objective = _ClipUpperObjective()
 
 
 @mutant("clip_upper_only", "the ratio was clipped as min(ratio, 1 + eps) only: for negative "
@@ -299,10 +300,10 @@ def clip_upper_only():
 
 
 class _WrongAxisCore(GRPOCore):
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         b, s = logp.shape  # the defect: [B] expanded on a new leading axis, then reshaped
         adv = mb["advantages"].to(logp.device).expand(s, b).reshape(b, s)
-        return super().micro_batch_loss(mb.replace(advantages=adv), logp, normalizer)
+        return super().micro_batch_loss(mb.replace(advantages=adv), logp, normalizer, entropy)
 
 
 @mutant("advantage_wrong_axis", "per-sample advantages broadcast to per-token on the wrong "
