@@ -202,6 +202,10 @@ class Objective:
             return 0.5 * d * d
         return k3(-d)
 
+    def kl_term(self, kl: Tensor, ratio: Tensor, cfg: LossConfig) -> Tensor:
+        """What the KL coefficient multiplies: the estimate, or the estimate times the ratio."""
+        return kl * ratio if cfg.kl_ratio_weighted else kl
+
     def is_weight(self, prev: Tensor, gen: Tensor, cfg: LossConfig) -> Tensor:
         return torch.exp(prev - gen).clamp(max=cfg.is_cap).detach()
 
@@ -218,6 +222,10 @@ class Objective:
 
     def entropy_weight(self, norm: StepNorm, cfg: LossConfig) -> float:
         return cfg.entropy_coef / norm.tokens
+
+    def entropy_sum(self, entropy: Tensor, mask: Tensor) -> Tensor:
+        """The micro-batch's entropies over its loss tokens, summed."""
+        return (entropy * mask).sum()
 
     def loss(self, logp: Tensor, prev: Tensor, advantages: Tensor, mask: Tensor,
              norm: StepNorm, cfg: LossConfig, ref: Tensor | None = None,
@@ -240,8 +248,7 @@ class Objective:
         if ref is not None:
             kl = self.kl(logp, ref, cfg)
             if cfg.kl_coef:
-                term = kl * ratio if cfg.kl_ratio_weighted else kl
-                per_token = per_token + cfg.kl_coef * term
+                per_token = per_token + cfg.kl_coef * self.kl_term(kl, ratio, cfg)
         elif cfg.kl_coef:
             raise ValueError("LossConfig.kl_coef is set but the batch has no "
                              "reference_logprobs")
@@ -249,7 +256,7 @@ class Objective:
         if cfg.entropy_coef:
             if entropy is None:
                 raise ValueError("LossConfig.entropy_coef is set but no entropies were given")
-            loss = loss - self.entropy_weight(norm, cfg) * (entropy * mask_f).sum()
+            loss = loss - self.entropy_weight(norm, cfg) * self.entropy_sum(entropy, mask_f)
             metrics["entropy"] = masked(entropy, mask)
         metrics.update({
             "probs_ratio": masked(ratio, mask),

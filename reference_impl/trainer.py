@@ -167,6 +167,7 @@ class GRPOCore:
             [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
             weight_decay=0.0)
         self.steps = 0
+        self.batch_step = 0  # the optimizer step's index within its generation batch
 
     @staticmethod
     def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -267,6 +268,7 @@ class GRPOCore:
             for k in range(cfg.mini_batches):
                 step = [b.select(p[k]) if len(p[k]) < len(b) else b
                         for b, p in zip(shards, parts) if p[k]]
+                self.batch_step = len(results)  # this step's place in the generation batch
                 results.append(self.optimizer_step(step))
         first = results[0]
         if len(results) > 1:
@@ -294,16 +296,22 @@ class GRPOCore:
                 for k, v in out.metrics.items():
                     metrics.setdefault(k, []).append(v.cpu())
         self.reduce_gradients()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params \
-            else torch.zeros(())
+        grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return StepResult(float(total), {k: torch.cat(v) for k, v in metrics.items()},
                           float(grad_norm), {"normalizer": norm.tokens, "rows": norm.rows,
                                              "step": self.steps})
+
+    def clip_gradients(self) -> Tensor:
+        """Scale the gradient to `max_grad_norm` where it is longer; returns its norm before."""
+        cfg = self.settings.loss
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def loss_normalizer(self, shards: Sequence[Batch]) -> float:
         """The loss-token count of the optimizer step (every micro-batch of every shard, summed
