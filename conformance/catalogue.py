@@ -339,17 +339,10 @@ _DATA_PLANE_CLAUSES = [
 
 
 def _all() -> list[Clause]:
-    clauses = list(_DATA_PLANE_CLAUSES)
-    try:
-        from .catalogue_trainer import TRAINER_CLAUSES
-    except ModuleNotFoundError as exc:  # the trainer catalogue is optional only while absent
-        if exc.name != f"{__package__}.catalogue_trainer":
-            raise
-    else:
-        clauses += TRAINER_CLAUSES
     from .catalogue_ranks import RANK_CLAUSES
+    from .catalogue_trainer import TRAINER_CLAUSES
 
-    clauses += RANK_CLAUSES
+    clauses = [*_DATA_PLANE_CLAUSES, *TRAINER_CLAUSES, *RANK_CLAUSES]
     ids = [c.id for c in clauses]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
@@ -366,3 +359,18 @@ def get(clause_id: str) -> Clause:
         return BY_ID[clause_id]
     except KeyError:
         raise KeyError(f"unknown clause {clause_id!r}; known: {', '.join(BY_ID)}") from None
+
+
+def fingerprint() -> str:
+    """A short hash of what a report's verdicts rest on: every clause's definition (ID, MUST,
+    surfaces, capabilities, requiredness, regime) and the test functions tied to it. Reports
+    record it; a committed report whose fingerprint differs from the current one is stale."""
+    import hashlib
+    import json
+
+    from .docs import tests_by_clause
+
+    tests = tests_by_clause()
+    data = [[c.id, c.must, list(c.surfaces), list(c.capabilities), c.required, c.regime,
+             sorted(tests.get(c.id, []))] for c in CLAUSES]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]

@@ -63,7 +63,9 @@ RANK_CLAUSES: list[Clause] = [
         "digest and grad norm are equal bitwise in every regime. On CPU the bitwise regimes "
         "need one intra-op thread count everywhere (ranks and world 1 run with 1): "
         "logprobs are bitwise across thread counts, gradients are not (measured: up to 8e-8 "
-        "in 44 weight tensors of the tiny Qwen2-VL with 2 threads vs 1).",
+        "in 44 weight tensors of the tiny Qwen2-VL with 2 threads vs 1). A production-width "
+        "run on fewer GPUs than ranks runs the RANK clauses at the tiny size (two whole "
+        "production models do not fit one GPU; the ranks share it over gloo).",
     ),
     Clause(
         "RANK-SHARD-RECEIPT",

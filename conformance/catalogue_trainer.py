@@ -93,6 +93,10 @@ CLOSED_FORM_RATIOS = (2.0, 0.5, 1.1, 0.9, 1.5, 0.7)
 # Tolerance 2**-4 (~5x). A step that drops or swaps images leaves the tower without its
 # gradient or with another one: O(1) of its update. Loss, metrics and grad norm stay bitwise.
 FUSED_ATTENTION_UPDATE_RTOL = 2.0 ** -4
+# Where that tolerance was measured (family -> top-level modules): it applies there and only
+# there. Every other module, fused or not, must update bitwise; a module that runs fused
+# attention elsewhere needs its own measurement before it gets a tolerance.
+FUSED_ATTENTION_MEASURED = {"gemma3": ("model.vision_tower",)}
 # Step loss vs the closed form (and vs the autograd recompute), relative to the loss's absolute
 # mass: the stored prev is float32 (logp - ln r), rounded at |logp| <~ ln V + 1 ~ 6 (u * 6 ~
 # 4e-7 relative per token's ratio), plus the reorder bound; measured <= 3.3e-8 (recompute:

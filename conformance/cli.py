@@ -61,14 +61,18 @@ def _cmd_mutants(a, extra) -> int:
         note = f"  ERROR {row['error']}" if row.get("error") else ""
         if row["missed"] and row["killed"]:
             note += f"  (claimed, not killed by: {', '.join(row['missed'])})"
+        only_exc = [c for c in row.get("failed_by_exception_only", ()) if c in row["expected"]]
+        if only_exc:
+            note += f"  (failed only by exceptions, no assertion: {', '.join(only_exc)})"
         print(f"[{done:>{len(str(total))}}/{total} {elapsed:6.1f}s] {mark} {row['name']:36} "
               f"by {by} ({row['duration_s']:.1f}s){note}", flush=True)
 
-    against = "every clause" if a.full else "the clauses that claim to kill it"
+    against = "every test of every clause" if a.full else "the clauses that claim to kill it"
     print(f"rlconform mutants: each mutant against {against}; results as they finish",
           flush=True)
+    surfaces = [x for x in (a.mutant_surfaces or "").split(",") if x]
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
-                    on_result=progress)
+                    on_result=progress, surfaces=surfaces or None)
     errors = m["errors"]
     survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
     if errors:
@@ -78,6 +82,15 @@ def _cmd_mutants(a, extra) -> int:
             print(f"  {e['mutant']}: {e['error']}")
     if survived:
         print(f"survived: {', '.join(survived)}")
+    if m.get("killed_only_by_exceptions"):
+        print("claims met only by exceptions other than a clause assertion (not kills): "
+              + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["killed_only_by_exceptions"]))
+    if a.full:
+        print(f"clause tests failed by at least one mutant: "
+              f"{len(m['tests']) - len(m['tests_without_kill'])} of {len(m['tests'])}")
+        if m["tests_without_kill"]:
+            print("clause tests no mutant fails (on a clause assertion): "
+                  + ", ".join(m["tests_without_kill"]))
     if m["claims_not_killed"]:
         print("claims that did not kill (the catalogue names the mutant, the clause passed): "
               + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
@@ -88,7 +101,8 @@ def _cmd_mutants(a, extra) -> int:
           + (f", {len(errors)} errors (no verdict)" if errors else "")
           + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
     failed = (errors or survived or m["claims_not_killed"]
-              or (m["clauses_without_kill"] and not a.only))
+              or (m["clauses_without_kill"] and not a.only)
+              or (a.full and m["tests_without_kill"] and not a.only and "-k" not in extra))
     return 1 if failed else 0
 
 
@@ -111,9 +125,24 @@ def _cmd_diff(a, extra) -> int:
 def _cmd_gate(a, extra) -> int:
     from rlconform.reports.gate import gate
 
-    result = gate(a.report, a.baseline)  # paths: an unreadable or invalid report exits 2
+    allow = [c.strip() for c in (a.allow_coverage_drop or "").split(",") if c.strip()]
+    # paths: an unreadable or invalid report exits 2
+    result = gate(a.report, a.baseline, allow_coverage_drop=allow)
     print(result.render())
     return result.exit_code
+
+
+def _cmd_memory_plan(a, extra) -> int:
+    from rlconform.conformance import gpu_memory
+
+    plan = gpu_memory.fold_report(gpu_memory.load_plan(), _load(a.report))
+    text = json.dumps(plan, indent=2) + "\n"
+    if a.write:
+        gpu_memory.PLAN_PATH.write_text(text)
+        print(f"wrote {gpu_memory.PLAN_PATH}")
+    else:
+        print(text, end="")
+    return 0
 
 
 def _cmd_scoreboard(a, extra) -> int:
@@ -148,15 +177,29 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--report-dir", default="reports/out")
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
+    m.add_argument("--mutant-surfaces", default="", metavar="SURFACE[,SURFACE]",
+                   help="only the mutants of these surfaces (the nightly GPU regime: "
+                        "trainer,rollout)")
     m.add_argument("--full", action="store_true",
-                   help="run each mutant against every clause, not only the clauses that claim "
-                        "to kill it (slow; shows collateral kills)")
+                   help="run each mutant against every test of every clause, not only the "
+                        "clauses that claim to kill it, and report per clause test the mutants "
+                        "that fail it (slow: nightly and on demand); fails when a clause test "
+                        "fails on no mutant")
     d = sub.add_parser("diff", help="compare two report.json files")
     d.add_argument("old")
     d.add_argument("new")
     g = sub.add_parser("gate", help="exit 0 only when the report may ship")
     g.add_argument("report")
     g.add_argument("--baseline", default=None)
+    g.add_argument("--allow-coverage-drop", default="", metavar="CLAUSE[,CLAUSE]|all",
+                   help="clauses the baseline tested that may go untested now (intended: a "
+                        "surface or capability dropped on purpose); without it, lost coverage "
+                        "fails the gate")
+    mp = sub.add_parser("memory-plan", help="fold a CUDA run's measured per-test GPU peaks "
+                                            "into the GPU memory plan (print, or --write it)")
+    mp.add_argument("report")
+    mp.add_argument("--write", action="store_true",
+                    help="write conformance/gpu_memory_plan.json (in a source checkout)")
     s = sub.add_parser("scoreboard", help="every backend against every clause, from report.json "
                                           "files or directories holding them (Markdown + HTML)")
     s.add_argument("reports", nargs="+", help="report.json files, or directories: their "
@@ -168,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     a, extra = p.parse_known_args(argv)
     handler = {"run": _cmd_run, "backends": _cmd_backends, "clauses": _cmd_clauses,
                "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate,
-               "scoreboard": _cmd_scoreboard}[a.cmd]
+               "memory-plan": _cmd_memory_plan, "scoreboard": _cmd_scoreboard}[a.cmd]
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "mutants":

@@ -3,12 +3,12 @@
 Load it with `-p rlconform.conformance.plugin` (`rlconform run` does). It
 - loads the backend (`--backend`) and its waivers (`--expectations`);
 - ties every collected test to its clauses (`@pytest.mark.clause(ID, ...)`), marks tests of
-  clauses the backend does not declare as not applicable, and tests of waived clauses as
-  non-strict xfail (web-platform-tests style expectations);
+  clauses the backend does not declare as not applicable, and gives each test the waivers that
+  cover it (web-platform-tests style expectations, per test: conformance/verdicts.py);
 - derives each clause's status from its tests on the controller (xdist-safe: everything it needs
   travels in the test reports' user_properties) and writes the report;
-- sets the exit status: non-zero when a clause failed, errored, passed while waived (xpass),
-  was skipped although declared, or a waiver is bad.
+- sets the exit status: non-zero when a clause failed, errored, passed where a waiver expected
+  a failure (xpass), was skipped although declared or left partial, or a waiver is bad.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from rlconform.conformance import catalogue
+from rlconform.conformance import catalogue, gpu_memory, verdicts
 from rlconform.conformance.backend import SURFACES, Backend, load_backend
-from rlconform.conformance.waivers import load_waivers
+from rlconform.conformance.waivers import load_expectations
 
 CLAUSE_PROP = "rlconform_clauses"
 METRIC_PROP = "rlconform_metric"
@@ -131,7 +131,7 @@ class RlconformState:
     def __init__(self, config: pytest.Config):
         self.config = config
         self.backend: Backend = load_backend(config.getoption("--backend"))
-        self.waivers, self.problems = load_waivers(
+        self.expectations, self.problems = load_expectations(
             self.backend.name, config.getoption("--expectations"), set(catalogue.BY_ID)
         )
         self._check_requirements(config)
@@ -220,6 +220,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if clash:
             raise pytest.UsageError(clash)
     config.pluginmanager.register(st, "rlconform-state")
+    _gpu_plan_preflight(config)
     _register_profiles()
     from hypothesis import settings
 
@@ -273,13 +274,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         if reasons:
             item.add_marker(pytest.mark.skip(reason=NA_PREFIX + "; ".join(sorted(set(reasons)))))
             continue
-        callspec = getattr(item, "callspec", None)
-        family = callspec.params.get("family") if callspec else None
-        waived = [st.waivers[i] for i in ids if i in st.waivers and not st.waivers[i].expired
-                  and st.waivers[i].covers(family if isinstance(family, str) else None)]
-        if waived:
-            item.add_marker(pytest.mark.xfail(strict=False, reason="waived: " + "; ".join(
-                f"{w.clause} ({w.category}): {w.reason}" for w in waived)))
+        verdicts.scope_item(item, st.expectations.waivers, ids)
         if replay:
             _apply_replay(item, replay)
     if errors:
@@ -461,19 +456,70 @@ def seed(request) -> int:
     return request.config.getoption("--seed")
 
 
+GPU_PEAK_PROP = "rlconform_gpu_peak_gib"
+
+
 @pytest.fixture(autouse=True)
-def _release_device_memory(request):
-    """After each test on CUDA, free what its models held: at production widths a trainer
-    (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds its own."""
-    yield
+def _device_memory(request):
+    """On CUDA: a model test at production width first reserves its planned peak from the GPU
+    budget the workers share (conformance/gpu_memory.py: it waits while the others' tests leave
+    too little), records its own peak for the plan, and afterwards frees what its models held:
+    a trainer (policy, frozen reference, AdamW state) takes tens of GB, and the next test builds
+    its own."""
     if not request.config.getoption("--device").startswith("cuda"):
+        yield
         return
+    import contextlib
     import gc
 
     import torch
 
-    gc.collect()
-    torch.cuda.empty_cache()
+    hold = contextlib.nullcontext()
+    ledger_path = os.environ.get(gpu_memory.LEDGER_ENV)
+    if ledger_path and _is_model_test(request.node):
+        callspec = getattr(request.node, "callspec", None)
+        family = callspec.params.get("family") if callspec else None
+        gib = gpu_memory.planned_gib(gpu_memory.load_plan(), family if isinstance(family, str)
+                                     else None, request.node.name)
+        budget = gpu_memory.budget_gib(torch.cuda.get_device_properties(0).total_memory)
+        hold = gpu_memory.reservation(gpu_memory.Ledger(ledger_path, budget), gib,
+                                      request.node.nodeid)
+    with hold:
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        peak = torch.cuda.max_memory_reserved() / 2**30
+        request.node.user_properties.append((GPU_PEAK_PROP, round(peak, 2)))
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _is_model_test(item) -> bool:
+    return any(i in catalogue.BY_ID and catalogue.BY_ID[i].surface in MODEL_SURFACES
+               for i in _clause_ids(item))
+
+
+def _gpu_plan_preflight(config: pytest.Config) -> None:
+    """On the controller of a CUDA run at production width: share a reservation ledger with the
+    workers (through the environment they inherit) and refuse, before any test runs, a GPU too
+    small for the largest planned test."""
+    from rlconform.fixtures.sizes import PRODUCTION, PRODUCTION_MODELS, model_size
+
+    if hasattr(config, "workerinput") or not config.getoption("--device").startswith("cuda") \
+            or model_size() != PRODUCTION:
+        return
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # the device fixture says so
+    props = torch.cuda.get_device_properties(0)
+    why = gpu_memory.preflight(gpu_memory.load_plan(), list(PRODUCTION_MODELS),
+                               props.total_memory, props.name)
+    if why:
+        raise pytest.UsageError(why)
+    os.environ.setdefault(gpu_memory.LEDGER_ENV, os.path.join(
+        tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
 
 
 @pytest.fixture
@@ -497,14 +543,26 @@ HYPOTHESIS_PROP = "rlconform_hypothesis"
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Property tests' examples see the waivers covering their test (verdicts.py)."""
+    with verdicts.example_waivers(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Keep hypothesis' notes (the shrunk example and the replay blob) on the report."""
+    """Keep hypothesis' notes (the shrunk example and the replay blob) and the test's verdict
+    (waivers matched, how it failed) on the report."""
     outcome = yield
     rep = outcome.get_result()
     exc = call.excinfo.value if call.excinfo is not None else None
     notes = getattr(exc, "__notes__", None)
     if notes:
         rep.user_properties.append((HYPOTHESIS_PROP, [str(n) for n in notes]))
+    if _tied_clauses(item) is not None:
+        v = verdicts.verdict(item, call, rep)
+        if v is not None:
+            rep.user_properties.append((verdicts.VERDICT_PROP, v))
 
 _BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
@@ -514,8 +572,21 @@ def _clause_ids(item) -> list[str]:
 
 
 def _plain_nodeid(nodeid: str) -> str:
-    """A test's id without the "@<group>" that xdist's loadgroup (and _suffix_nodeid) append."""
-    return nodeid.split("@" + DEVICE_GROUP)[0]
+    """A test's id as reports show it: relative to the clause package (`test_codec.py::test_x[a]`,
+    wherever rlconform is installed) and without the "@<group>" that xdist's loadgroup (and
+    _suffix_nodeid) append."""
+    nodeid = nodeid.split("@" + DEVICE_GROUP)[0]
+    path, sep, rest = nodeid.partition("::")
+    return f"{path.rsplit('clauses/', 1)[-1]}{sep}{rest}"
+
+
+def _tied_clauses(item) -> list[str] | None:
+    return next((v for k, v in item.user_properties if k == CLAUSE_PROP), None)
+
+
+# a test's outcome only moves towards the worse: a failed call stays failed whatever its
+# teardown does; a waived setup error is not turned into a pass by a later phase
+_OUTCOME_RANK = {"passed": 0, "xpass": 1, "waived": 2, "skipped": 3, "failed": 4, "error": 5}
 
 
 def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
@@ -535,24 +606,40 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
         st.reported.add(nodeid)
     r = st.results.setdefault(nodeid, {
         "nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
-        "clauses": clauses, "metrics": [], "hypothesis": None, "waived": False,
+        "clauses": clauses, "params": props.get(verdicts.PARAMS_PROP) or {}, "metrics": [],
+        "hypothesis": None, "kind": None, "waivers": {}, "waived_messages": {},
+        "unimplemented": None,
     })
     r["duration_s"] += report.duration
     if report.when == "call":
         r["metrics"] = [v for k, v in report.user_properties if k == METRIC_PROP]
+    if props.get(GPU_PEAK_PROP) is not None:
+        r["gpu_peak_gib"] = props[GPU_PEAK_PROP]
+    v = props.get(verdicts.VERDICT_PROP) or {}
+    for index, n in (v.get("waivers") or {}).items():
+        r["waivers"][index] = max(n, r["waivers"].get(index, 0))
+    for index, msg in (v.get("waived_messages") or {}).items():
+        r["waived_messages"].setdefault(index, msg)
+    if v.get("unimplemented"):
+        r["unimplemented"] = v["unimplemented"]
     wasxfail = getattr(report, "wasxfail", None)
-    if wasxfail is not None:
-        r["waived"] = True
+    outcome = None
     if report.skipped and wasxfail is None:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         reason = reason.removeprefix("Skipped: ")
-        r["outcome"] = "not_applicable" if reason.startswith(NA_PREFIX) else "skipped"
+        outcome = "not_applicable" if reason.startswith(NA_PREFIX) else "skipped"
         r["message"] = reason.removeprefix(NA_PREFIX)
-    elif report.failed or (report.skipped and wasxfail is not None):
-        # a waived test that failed arrives as skipped+wasxfail: record the real outcome
+    elif report.skipped:  # a failure (or failing examples) that covering waivers matched
+        outcome = "waived"
+        r["message"] = next(iter(r["waived_messages"].values()), wasxfail)
+    elif report.passed and wasxfail is not None:
+        outcome = "xpass"
+        r["message"] = f"{wasxfail}: remove or narrow the waiver"
+    elif report.failed:
         text = report.longreprtext or str(report.longrepr)
-        r["outcome"] = "error" if report.when != "call" else "failed"
+        outcome = "error" if report.when != "call" else "failed"
         r["message"] = _first_error_line(text)
+        r["kind"] = v.get("kind")
         notes = dict(report.user_properties).get(HYPOTHESIS_PROP) or []
         examples = [n.strip() for n in notes if not _BLOB.search(n)]
         blob = _BLOB.search("\n".join(notes)) or _BLOB.search(text)
@@ -561,6 +648,9 @@ def _logreport(st: RlconformState, report: pytest.TestReport) -> None:
                 "example": "\n".join(examples)[:4000],
                 "blob": f"{blob.group(1)}:{blob.group(2)}" if blob else "",
             }
+    if outcome in ("not_applicable",) or (
+            outcome is not None and _OUTCOME_RANK[outcome] >= _OUTCOME_RANK.get(r["outcome"], 0)):
+        r["outcome"] = outcome
 
 
 def _first_error_line(text: str) -> str:
@@ -592,8 +682,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
             log_report(report, report_dir)
     st.report = report
-    bad = {"failed", "error", "xpass", "skipped"}
-    failing = [c["id"] for c in report["clauses"] if c["status"] in bad]
+    from rlconform.reports.model import FAILING
+
+    failing = [c["id"] for c in report["clauses"] if c["status"] in FAILING]
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
         _print_summary(tr, report, report_dir)
@@ -636,16 +727,20 @@ def report_dir_clash(folder: Path, backend: Backend) -> str | None:
 
 
 def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
-    s = report["summary"]
+    from rlconform.reports._common import headline
+
     tr.write_sep("=", f"rlconform: {report['backend']}")
     for c in report["clauses"]:
         if c["status"] != "passed" or c["message"]:  # a passed clause's note: partial evidence
-            tr.write_line(f"  {c['status'].upper():15} {c['id']}: {c['message'][:160]}")
+            if c["status"] == "not_applicable":
+                continue  # listed once per surface or capability below
+            tr.write_line(f"  {c['status'].upper():19} {c['id']}: {c['message'][:160]}")
+    for e in report.get("not_tested") or ():
+        tr.write_line(f"  NOT TESTED          {e['kind']} {e['name']} ({len(e['clauses'])} "
+                      f"clauses): {e['why'][:120]}")
     for p in report["problems"]:
-        tr.write_line(f"  PROBLEM         {p}")
-    counts = ", ".join(f"{v} {k}" for k, v in s.items() if k not in ("total", "score") and v)
-    score = "n/a" if s["score"] is None else f"{s['score']:.2f}"
-    tr.write_line(f"  {s['total']} clauses: {counts}; score {score}")
+        tr.write_line(f"  PROBLEM             {p}")
+    tr.write_line(f"  {headline(report)}")
     if report_dir is not None:
         tr.write_line(f"  report: {report_dir}/report.html (.json, .md, junit.xml)")
 
@@ -657,5 +752,5 @@ def pytest_report_header(config) -> list[str]:
     b = st.backend
     return [f"rlconform backend: {b.name} (surfaces: {', '.join(b.surfaces)}); "
             f"profile {config.getoption('--profile')}, device {config.getoption('--device')}, "
-            f"dtype {config.getoption('--dtype')}, waivers: {len(st.waivers)}"]
+            f"dtype {config.getoption('--dtype')}, waivers: {len(st.expectations.waivers)}"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlconform.conformance import catalogue
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 KEY_PACKAGES = ("rlconform", "torch", "transformers", "tokenizers", "hypothesis", "pytest",
                 "pytest-xdist", "tensordict", "ray", "TransferQueue", "vllm", "numpy", "verl")
 
@@ -62,6 +62,7 @@ def provenance(st, config) -> dict:
     return {
         "rlconform_version": _version("rlconform") or "not installed (source tree)",
         "git_commit": os.environ.get("RLCONFORM_GIT_COMMIT") or _git_commit(),
+        "catalogue": catalogue.fingerprint(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {p: v for p in KEY_PACKAGES if (v := _version(p))},
@@ -88,21 +89,72 @@ def _model_size() -> dict:
     return out
 
 
-def clause_status(tests: list[dict], waived: bool) -> str:
+def clause_status(tests: list[dict], waivers: list[dict] | None = None,
+                  partial: bool = False) -> str:
+    """A clause's status from its tests' outcomes and its waivers' use.
+
+    error / failed: a test failed and no waiver matched it; xpass: a waiver no longer holds (a
+    test it names passed, or it matched nothing); skipped: a declared clause did not run;
+    incomplete: its tests did not all report (an interrupted run); waived: every test's
+    failure was waived; passed_with_waivers: some tests waived, the rest passed; passed: every
+    test passed and no waiver was needed."""
     outcomes = {t["outcome"] for t in tests}
     if not tests or outcomes == {"not_applicable"}:
         return "not_applicable"
-    if "error" in outcomes:
-        raw = "error"
-    elif "failed" in outcomes:
-        raw = "failed"
-    elif "skipped" in outcomes:
-        raw = "skipped"  # a declared clause that did not run counts as a failure
-    else:
-        raw = "passed"
-    if waived:
-        return {"failed": "waived", "error": "waived", "passed": "xpass"}.get(raw, raw)
-    return raw
+    for status in ("error", "failed", "xpass"):
+        if status in outcomes:
+            return status
+    if any(w.get("unused") for w in waivers or ()):
+        return "xpass"
+    if "skipped" in outcomes:
+        return "skipped"  # a declared clause that did not run counts as a failure
+    if partial:
+        return "incomplete"
+    if "waived" in outcomes:
+        return "passed_with_waivers" if "passed" in outcomes else "waived"
+    return "passed"
+
+
+def _waiver_use(waivers, tests: list[dict], ran_whole: bool) -> list[dict]:
+    """Each waiver of a clause with what it did in this run: tests covered, failures matched,
+    tests it names that passed (xpass); `unused` when it matched no failure at all."""
+    out = []
+    for w in waivers:
+        key = str(w.index)
+        covered = [t for t in tests if key in t.get("waivers", {})]
+        matched = [t for t in covered if t["waivers"][key] > 0]
+        entry = w.to_json()
+        entry.update(covered=len(covered), matched=len(matched),
+                     xpass_tests=[t["nodeid"] for t in covered if t["outcome"] == "xpass"])
+        first = next((t["waived_messages"][key] for t in matched
+                      if key in t.get("waived_messages", {})), None)
+        if first:
+            entry["first_failure"] = first
+        if w.expired:
+            entry["unused"] = False  # an expired waiver waives nothing; a problem says so
+        elif covered and not matched:
+            entry["unused"] = True
+        elif not covered:
+            # a scope that selects nothing is a stale waiver, unless this run left tests out
+            entry["unused"] = ran_whole
+            entry["note"] = "covered no test of this run"
+        else:
+            entry["unused"] = False
+        out.append(entry)
+    return out
+
+
+def _by_family(tests: list[dict]) -> dict[str, dict[str, int]]:
+    """Per model family (tests parametrised by `family`): outcome counts, so a fix for five
+    families and a gap in two shows as such."""
+    out: dict[str, dict[str, int]] = {}
+    for t in tests:
+        family = (t.get("params") or {}).get("family")
+        if family is None:
+            continue
+        counts = out.setdefault(family, {})
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _param(nodeid: str) -> str:
@@ -147,27 +199,22 @@ def build_report(st, config) -> dict:
             by_clause[cid].append(r)
     clauses = []
     deselected = []
+    problems = list(st.problems)
     from rlconform.conformance.plugin import applicability
 
+    selected_subset = bool(config.getoption("keyword", "") or config.getoption("markexpr", "")
+                           or config.getoption("--surfaces"))
     for c in catalogue.CLAUSES:
         tests = by_clause.get(c.id, [])
         na = applicability(st.backend, c)
         if not tests and na is None:
             deselected.append(c.id)
             continue
-        w = st.waivers.get(c.id)
-        active = w is not None and not w.expired
-        status = "not_applicable" if na else clause_status(tests, active)
-        failing = [t for t in tests if t["outcome"] in ("failed", "error", "skipped")]
-        if status == "not_applicable":
-            message = na or (tests[0]["message"] if tests else "")
-        elif status == "xpass":
-            message = f"waived ({w.category}) but passed: remove the waiver ({w.reason})"
-        elif failing:
-            message = f"{failing[0]['nodeid'].split('::')[-1]}: {failing[0]['message']}"
-        else:
-            message = ""
         partial = unreported.clause_note(c.id)
+        waivers = _waiver_use(st.expectations.for_clause(c.id), tests,
+                              ran_whole=not selected_subset and not partial)
+        status = "not_applicable" if na else clause_status(tests, waivers, bool(partial))
+        message = _clause_message(status, na, tests, waivers)
         if partial and status != "not_applicable":
             message = f"{partial}; {message}" if message else partial
         clauses.append({
@@ -176,16 +223,22 @@ def build_report(st, config) -> dict:
             "status": status, "message": message, "defect": c.defect,
             "mutants": list(c.mutants), "regime": c.regime,
             "duration_s": round(sum(t["duration_s"] for t in tests), 4),
-            "tests": [{"nodeid": t["nodeid"], "outcome": t["outcome"],
-                       "duration_s": round(t["duration_s"], 4), "message": t["message"],
-                       "hypothesis": t["hypothesis"]} for t in tests],
-            "waiver": w.to_json() if w else None,
+            "tests": [_test_entry(t) for t in tests],
+            "waivers": waivers,
+            "by_family": _by_family(tests),
             "metrics": _metrics(tests),
         })
+        for t in tests:
+            if t.get("unimplemented"):
+                problems.append(
+                    f"{c.id}: {t['nodeid']} reached a part of backend {st.backend.name!r} that "
+                    f"raises {t['unimplemented']}: a declared surface must work. Leave the "
+                    f"surface out and say why (Backend(..., notes={{{c.surface!r}: '...'}})) "
+                    "instead of declaring it")
+                break
     from rlconform.reports.model import summarize_clauses
 
     summary = summarize_clauses(clauses)
-    problems = list(st.problems)
     if not done:
         problems.append("no clause test ran")
     unfinished = unreported.problem()
@@ -200,10 +253,55 @@ def build_report(st, config) -> dict:
         "clauses": clauses,
         "deselected": deselected,
         "not_tested": not_tested(st.backend),
+        "coverage_drops_allowed": [{"clause": k, "reason": v}
+                                   for k, v in st.expectations.allow_drop.items()],
         "kill_matrix": _kill_matrix(config, st.backend.name),
         "mutant_effects": _beside_mutants(config, st.backend.name, "mutant_effects.json"),
         "problems": problems,
     }
+
+
+def _test_entry(t: dict) -> dict:
+    out = {"nodeid": t["nodeid"], "outcome": t["outcome"],
+           "duration_s": round(t["duration_s"], 4), "message": t["message"],
+           "hypothesis": t["hypothesis"]}
+    if t.get("params"):
+        out["params"] = t["params"]
+    if t.get("kind"):
+        out["failure_kind"] = t["kind"]
+    if t.get("gpu_peak_gib") is not None:
+        out["gpu_peak_gib"] = t["gpu_peak_gib"]
+    matched = [int(i) for i, n in (t.get("waivers") or {}).items() if n > 0]
+    if matched:
+        out["waived_by"] = sorted(matched)
+    return out
+
+
+def _clause_message(status: str, na: str | None, tests: list[dict], waivers: list[dict]) -> str:
+    if status == "not_applicable":
+        return na or (tests[0]["message"] if tests else "")
+    failing = [t for t in tests if t["outcome"] in ("failed", "error", "skipped")]
+    if failing:
+        return f"{failing[0]['nodeid'].split('::')[-1]}: {failing[0]['message']}"
+    stale = [w for w in waivers if w.get("xpass_tests")]
+    if stale:
+        w = stale[0]
+        return (f"waiver #{w['index']} expects {len(w['xpass_tests'])} test(s) to fail that "
+                f"passed ({w['xpass_tests'][0].split('::')[-1]}, ...): remove or narrow it")
+    unused = [w for w in waivers if w.get("unused")]
+    if unused:
+        w = unused[0]
+        why = w.get("note") or f"matched no failure of the {w['covered']} test(s) it covers"
+        return f"waiver #{w['index']} {why}: remove or narrow it ({first_line(w['reason'])})"
+    if status in ("waived", "passed_with_waivers"):
+        n = sum(t["outcome"] == "waived" for t in tests)
+        return f"{n} of {len(tests)} tests waived"
+    return ""
+
+
+def first_line(text: str) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line[:160]
 
 
 INTERRUPTED = 2  # pytest.ExitCode.INTERRUPTED (this module does not import pytest)

@@ -88,15 +88,19 @@ class _MutantRun:
     """pytest plugin for one mutant run inside a kill-matrix worker.
 
     - keeps only the tests tied to `clause_ids` (None: every clause);
-    - once one test of a clause has failed, the clause has killed the mutant: its remaining
-      tests are skipped (a failed clause stays failed whatever they do);
+    - once one test of a clause has failed on a clause assertion, the clause has killed the
+      mutant: its remaining tests are skipped (`every_test=False`; a failed clause stays failed
+      whatever they do). A failure by any other exception (a TypeError in the mutant) kills
+      nothing, so the clause's other tests still run. `every_test=True` (`--full`) runs every
+      test, to show which tests can fail;
     - hypothesis neither shrinks nor explains a failing example (phases explicit, reuse,
       generate, target): the kill is decided by the first failing example, and a minimal
       example is of no use here. The examples tried are those of the chosen profile.
     """
 
-    def __init__(self, clause_ids: list[str] | None):
+    def __init__(self, clause_ids: list[str] | None, every_test: bool = False):
         self.clause_ids = None if clause_ids is None else set(clause_ids)
+        self.every_test = every_test
         self.killed: set[str] = set()
 
     @staticmethod
@@ -128,22 +132,23 @@ class _MutantRun:
         ids = set(self._ids(item))
         if self.clause_ids is not None:
             ids &= self.clause_ids
-        if ids and ids <= self.killed:
+        if ids and ids <= self.killed and not self.every_test:
             pytest.skip(f"kill matrix: {', '.join(sorted(ids))} already killed this mutant")
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.failed:
             props = dict(report.user_properties)
-            self.killed.update(props.get("rlconform_clauses", ()))
+            if (props.get("rlconform_verdict") or {}).get("kind") == "assertion":
+                self.killed.update(props.get("rlconform_clauses", ()))
 
 
 def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
-                    extra: list[str]) -> int | str:
+                    extra: list[str], every_test: bool = False) -> int | str:
     try:
         return int(pytest.main(pytest_args(f"mutant:{name}", [], None) + [
             "--report-dir", str(report_dir / "mutants"), "-q", "--no-header",
             "-p", "no:terminalreporter", "-p", HYPOTHESIS_PLUGIN, *extra],
-            plugins=[_MutantRun(clause_ids)]))
+            plugins=[_MutantRun(clause_ids, every_test)]))
     except BaseException as exc:  # noqa: BLE001 - one broken mutant must not stop the rest
         return f"{type(exc).__name__}: {exc}"
 
@@ -215,7 +220,8 @@ def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
         for line in sys.stdin:
             job = json.loads(line)
             t0 = time.time()
-            code = _run_one_mutant(job["name"], job["clauses"], report_dir, extra)
+            code = _run_one_mutant(job["name"], job["clauses"], report_dir, extra,
+                                   job.get("every_test", False))
             with log.open("a") as f:
                 f.write(f"{job['name']}: {code}\n")
             results.write(json.dumps({"name": job["name"], "code": code,
@@ -236,9 +242,21 @@ def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict
         return {"name": name, "failed": [], "ran": [], "duration_s": 0.0,
                 "error": f"no report written ({why})"}
     report = json.loads(path.read_text())
-    failed = [c["id"] for c in report["clauses"] if c["status"] in ("failed", "error")]
+    failed, by_exception, tests = [], [], {}
+    for c in report["clauses"]:
+        bad = [t for t in c["tests"] if t["outcome"] in ("failed", "error")]
+        for t in bad:
+            entry = tests.setdefault(t["nodeid"], {
+                "kind": t.get("failure_kind") or "exception", "clauses": [],
+                "family": (t.get("params") or {}).get("family")})
+            entry["clauses"].append(c["id"])
+        if any(t.get("failure_kind") == "assertion" for t in bad):
+            failed.append(c["id"])
+        elif bad:
+            by_exception.append(c["id"])
     ran = [c["id"] for c in report["clauses"] if c["status"] != "not_applicable"]
-    out = {"name": name, "failed": failed, "ran": ran,
+    out = {"name": name, "failed": failed, "failed_by_exception_only": by_exception,
+           "ran": ran, "failed_tests": tests,
            "duration_s": report["provenance"].get("duration_s", 0.0)}
     if bad_exit:
         out["error"] = f"its pytest run exited with {bad_exit}"
@@ -265,10 +283,11 @@ class _Worker:
         self.results = os.fdopen(r, "r")
         self.job: str | None = None
 
-    def send(self, name: str, clause_ids: list[str] | None) -> None:
+    def send(self, name: str, clause_ids: list[str] | None, every_test: bool = False) -> None:
         self.job = name
         try:
-            self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids}) + "\n")
+            self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids,
+                                              "every_test": every_test}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the worker died: its results pipe reports EOF, and the mutant is recorded
@@ -352,11 +371,15 @@ def mutant_args_problem(extra: list[str]) -> str | None:
 
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
-                full: bool = False, on_result=None) -> dict:
-    """Run every mutant against the clauses that claim to kill it (every clause with `full`),
-    in `jobs` worker processes; write and return the kill matrix.
+                full: bool = False, on_result=None, surfaces: list[str] | None = None) -> dict:
+    """Run every mutant against the clauses that claim to kill it (with `full`: against every
+    clause, every test of it, recording which tests each mutant fails), in `jobs` worker
+    processes; write and return the kill matrix. A kill is a clause assertion failing (see
+    conformance/verdicts.py failure_kind): a mutant that only makes tests raise other
+    exceptions is not killed.
 
-    `on_result(row, done, total, elapsed_s)` is called as each mutant finishes."""
+    `on_result(row, done, total, elapsed_s)` is called as each mutant finishes. `surfaces`
+    keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout)."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -365,6 +388,15 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     if "--profile" not in extra:
         extra += ["--profile", "ci"]  # derandomized: a kill is reproducible
     jobs = max(1, jobs or os.cpu_count() or 2)
+    if surfaces:
+        from rlconform.conformance.mutants import load_all
+
+        known = {m.surface for m in load_all().values()}
+        odd = sorted(set(surfaces) - known)
+        if odd:
+            raise ValueError(f"no mutants of surfaces {odd}; mutants exist for {sorted(known)}")
+        only = [n for n, m in load_all().items() if m.surface in surfaces
+                and (not only or n in only)]
     if only:
         jobs = min(jobs, len(only))
     t0 = time.time()
@@ -409,9 +441,11 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         m = mutants[name]
         row = {"name": name, "defect": m.defect, "surface": m.surface,
                "expected": expected[name], "ran": r["ran"], "failed": r["failed"],
+               "failed_by_exception_only": r.get("failed_by_exception_only", []),
                "killed": bool(set(r["failed"]) & set(expected[name])),
                "missed": [c for c in expected[name] if c not in r["failed"]],
                "duration_s": r["duration_s"]}
+        row["failed_tests"] = r.get("failed_tests", {})
         if error or "error" in r:
             row["error"] = error or r["error"]
         rows[name] = row
@@ -423,7 +457,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     def feed(w: _Worker) -> None:
         if queue:
             n = queue.pop(0)
-            w.send(n, None if full else expected[n])
+            w.send(n, None if full else expected[n], every_test=full)
         else:
             w.job = None
             sel.unregister(w.results)
@@ -455,8 +489,10 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     ordered = [rows[n] for n in names]
     killers = {cid for r in ordered for cid in r["failed"]}
     matrix = {
+        "regime": _regime(extra),
         "mutants": ordered,
-        "selection": "all clauses" if full else "claims: the clauses that name the mutant",
+        "selection": "all clauses, every test" if full else
+        "claims: the clauses that name the mutant",
         "clauses_without_kill": [c.id for c in catalogue.CLAUSES if c.id not in killers],
         # a mutant whose run gave no verdict is an error of the matrix run, not a survivor,
         # and its claims are not judged
@@ -464,8 +500,15 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
                    if no_verdict(r)],
         "claims_not_killed": [{"mutant": r["name"], "clause": c} for r in ordered
                               if not no_verdict(r) for c in r["missed"]],
+        # killed where claimed, but only by exceptions other than a clause assertion
+        "killed_only_by_exceptions": [{"mutant": r["name"], "clause": c} for r in ordered
+                                      for c in r.get("failed_by_exception_only", ())
+                                      if c in r["expected"]],
         "duration_s": round(time.time() - t0, 2),
     }
+    if full:
+        matrix["tests"] = test_kills(ordered)
+        matrix["tests_without_kill"] = [t for t, ms in matrix["tests"].items() if not ms]
     out = report_dir / "mutants"
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
@@ -483,3 +526,43 @@ if __name__ == "__main__":  # a kill-matrix worker: runner.py --report-dir D --r
             if a not in ("--report-dir", "--results-fd")
             and (i == 0 or argv[i - 1] not in ("--report-dir", "--results-fd"))]
     _mutant_worker(out_dir, rest, fd)
+
+
+def test_kills(rows: list[dict]) -> dict[str, list[str]]:
+    """Clause test function (`test_codec.py::test_x`) -> the mutants that fail one of its
+    cases on a clause assertion, for every clause test function (from a `--full` matrix)."""
+    from rlconform.conformance.docs import tests_by_clause
+
+    out: dict[str, list[str]] = {t: [] for fns in tests_by_clause().values() for t in fns}
+    for r in rows:
+        for nodeid, failure in (r.get("failed_tests") or {}).items():
+            function = nodeid.split("[", 1)[0]
+            if failure["kind"] == "assertion" and r["name"] not in out.setdefault(function, []):
+                out[function].append(r["name"])
+    return dict(sorted(out.items()))
+
+
+def kills_by_family(matrix: dict) -> dict[str, dict[str, list[str]]]:
+    """mutant -> family -> the clauses that killed it on that family's tests (a clause assertion
+    in a test parametrised with that family), from a kill matrix run; family "*" collects kills
+    by tests that take no family."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for r in matrix.get("mutants") or ():
+        fams = out.setdefault(r["name"], {})
+        for failure in (r.get("failed_tests") or {}).values():
+            if failure["kind"] != "assertion":
+                continue
+            ids = fams.setdefault(failure.get("family") or "*", [])
+            ids += [c for c in failure["clauses"] if c in r["expected"] and c not in ids]
+    return out
+
+
+def _regime(extra: list[str]) -> dict:
+    """Device, dtype, model size and profile the mutants ran at (from the options passed)."""
+    def opt(name: str, default: str) -> str:
+        return extra[extra.index(name) + 1] if name in extra else default
+
+    from rlconform.fixtures.sizes import model_size
+
+    return {"device": opt("--device", "cpu"), "dtype": opt("--dtype", "float32"),
+            "model_size": opt("--model-size", model_size()), "profile": opt("--profile", "ci")}

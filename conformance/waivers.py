@@ -1,24 +1,42 @@
-"""Waivers: clauses a backend is known to fail, with a reason and an expiry date.
+"""Waivers: the failures a backend is known to have, each as narrow as the failure itself.
 
 `conformance/expectations/<backend>.toml` (bundled) or `--expectations FILE`:
 
     [[waiver]]
     clause = "DP-LAYOUT"
-    category = "backend-bug"        # backend-bug | unsupported | future
-    families = ["llava"]            # optional: only the clause's tests on these model families
+    category = "backend-bug"           # backend-bug | unsupported | future
     reason = "returns 1-D columns as (N, 1)"
-    link = "https://..."            # optional
+    function = "store.client.get"      # optional: the system's function at fault
+    input = "a (3,) int64 column"      # optional: the smallest input that shows it
+    link = "https://..."               # optional: upstream issue or fix
     expires = 2027-03-01
+    # the scope, at least one of:
+    tests = ["test_layout_*"]          # test names (fnmatch), "name" or "name[param-id]"
+    params = { family = ["llava"] }    # parametrisation values (fnmatch); every key must match
+    match = "came back jagged"         # regex searched in the failure ("ExcType: message")
 
-An expired waiver, a waiver naming no clause, a duplicated waiver and a malformed entry are
-problems: they fail the run (and the gate), so waivers cannot rot silently.
+    [coverage]                          # optional: clauses this backend stopped testing on purpose
+    allow_drop = [{ clause = "TRAIN-RATIO-ONE", reason = "trainer surface left out: ..." }]
+
+A waiver *covers* the tests of its clause that its `tests` and `params` select. A failure of a
+covered test is waived when it matches `match` (any failure when there is no `match`); every
+other failure is a failure. Expectations that no longer hold are failures too (`xpass`): a
+covered test that passes under a waiver that names tests or params, and a waiver that matched
+no failure at all. Web-platform-tests keep expectations per test for the same reason: a partial
+upstream fix shows. A waiver without any scope (a whole clause, any failure) is refused.
+
+Expired, malformed, unscoped and duplicated waivers, and waivers naming no clause, are problems:
+they fail the run (and the gate), so waivers cannot rot silently.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
+import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -28,6 +46,9 @@ else:  # pragma: no cover
 
 CATEGORIES = ("backend-bug", "unsupported", "future")
 BUNDLED_DIR = Path(__file__).parent / "expectations"
+REQUIRED_KEYS = ("clause", "category", "reason", "expires")
+SCOPE_KEYS = ("tests", "params", "match")
+OPTIONAL_KEYS = ("link", "function", "input")
 
 
 @dataclass(frozen=True)
@@ -37,24 +58,89 @@ class Waiver:
     reason: str
     expires: dt.date
     link: str | None = None
-    # the model families the waiver covers (the clause's tests parametrised by `family`);
-    # empty: every test of the clause
-    families: tuple[str, ...] = ()
+    function: str | None = None
+    input: str | None = None
+    # scope: test-name patterns, parameter patterns (name -> value patterns), message regex
+    tests: tuple[str, ...] = ()
+    params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    match: str | None = None
+    # 1-based position in its file: how reports and messages name one waiver among several
+    index: int = 0
+    _regex: re.Pattern | None = field(default=None, compare=False, repr=False)
 
     @property
     def expired(self) -> bool:
         return self.expires < dt.date.today()
 
-    def covers(self, family: str | None) -> bool:
-        """Whether a test of the clause run on `family` (None: not per family) is waived."""
-        return not self.families or family in self.families
+    @property
+    def selects_tests(self) -> bool:
+        """Whether the waiver names its tests (by name or parameters): then every test it
+        covers is expected to fail, and one that passes is `xpass`."""
+        return bool(self.tests or self.params)
+
+    @property
+    def label(self) -> str:
+        return f"{self.clause} waiver #{self.index}"
+
+    def covers(self, clauses: list[str] | tuple[str, ...], name: str,
+               params: Mapping[str, str]) -> bool:
+        """Whether a test tied to `clauses`, called `name` (`test_x[qwen2_vl-2]`; the function
+        name alone also matches) with parametrisation `params` (values as strings), is within
+        this waiver's scope."""
+        if self.clause not in clauses:
+            return False
+        if self.tests:
+            function = name.split("[", 1)[0]
+            if not any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(function, p)
+                       for p in self.tests):
+                return False
+        for key, patterns in self.params:
+            value = params.get(key)
+            if value is None or not any(fnmatch.fnmatchcase(value, p) for p in patterns):
+                return False
+        return True
+
+    def matches(self, failure: str) -> bool:
+        """Whether a failure text ("ExcType: message") is the failure this waiver describes."""
+        if self.match is None:
+            return True
+        regex = self._regex or re.compile(self.match)
+        return regex.search(failure) is not None
+
+    def scope_json(self) -> dict:
+        out: dict = {}
+        if self.tests:
+            out["tests"] = list(self.tests)
+        if self.params:
+            out["params"] = {k: list(v) for k, v in self.params}
+        if self.match is not None:
+            out["match"] = self.match
+        return out
 
     def to_json(self) -> dict:
-        out = {"category": self.category, "reason": self.reason, "link": self.link,
-               "expires": self.expires.isoformat(), "expired": self.expired}
-        if self.families:
-            out["families"] = list(self.families)
+        out = {"index": self.index, "category": self.category, "reason": self.reason,
+               "link": self.link, "expires": self.expires.isoformat(), "expired": self.expired,
+               "scope": self.scope_json()}
+        for key in ("function", "input"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
         return out
+
+
+@dataclass
+class Expectations:
+    """A backend's waivers (in file order) and the coverage it gave up on purpose."""
+
+    waivers: list[Waiver] = field(default_factory=list)
+    # clause -> reason: clauses that may be untested now although a baseline tested them
+    allow_drop: dict[str, str] = field(default_factory=dict)
+    path: str | None = None
+
+    def for_clause(self, clause: str) -> list[Waiver]:
+        return [w for w in self.waivers if w.clause == clause]
+
+    def active(self) -> list[Waiver]:
+        return [w for w in self.waivers if not w.expired]
 
 
 def bundled_path(backend_name: str) -> Path | None:
@@ -62,54 +148,124 @@ def bundled_path(backend_name: str) -> Path | None:
     return p if p.is_file() else None
 
 
-def load_waivers(backend_name: str, path: str | Path | None, known: set[str]
-                 ) -> tuple[dict[str, Waiver], list[str]]:
-    """Waivers by clause ID, and the problems found (each fails the run)."""
+def _strings(value, what: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what} must be a non-empty list of strings")
+    return tuple(value)
+
+
+def _parse_waiver(entry: dict, where: str, known: set[str], index: int) -> Waiver:
+    """One `[[waiver]]` table as a Waiver; ValueError says what is wrong with it."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is not a table")
+    missing = [k for k in REQUIRED_KEYS if k not in entry]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    clause, category, expires = entry["clause"], entry["category"], entry["expires"]
+    odd = sorted(set(entry) - set(REQUIRED_KEYS) - set(SCOPE_KEYS) - set(OPTIONAL_KEYS))
+    if odd:
+        hint = " (families = [...] is now params = { family = [...] })" \
+            if "families" in odd else ""
+        raise ValueError(f"{where} ({clause}) has unknown keys {odd}; known: "
+                         f"{sorted(REQUIRED_KEYS + SCOPE_KEYS + OPTIONAL_KEYS)}{hint}")
+    if clause not in known:
+        raise ValueError(f"{where} names unknown clause {clause!r}")
+    if category not in CATEGORIES:
+        raise ValueError(f"{where} ({clause}) has category {category!r}; use one of "
+                         f"{list(CATEGORIES)}")
+    if isinstance(expires, dt.datetime):
+        expires = expires.date()
+    if not isinstance(expires, dt.date):
+        raise ValueError(f"{where} ({clause}) expires {expires!r}: give a TOML date (2027-03-01)")
+    if not any(k in entry for k in SCOPE_KEYS):
+        raise ValueError(
+            f"{where} ({clause}) covers the whole clause: give its scope (tests = [...], "
+            "params = {family = [...]} and/or match = \"message regex\"), so that any other "
+            "failure of the clause still fails")
+    tests = _strings(entry["tests"], f"{where} ({clause}) tests") if "tests" in entry else ()
+    params: list[tuple[str, tuple[str, ...]]] = []
+    if "params" in entry:
+        if not isinstance(entry["params"], dict) or not entry["params"]:
+            raise ValueError(f"{where} ({clause}) params must be a table: "
+                             "params = { family = [\"llava\"] }")
+        for key, value in entry["params"].items():
+            if isinstance(value, (int, float, bool)):
+                value = str(value)
+            params.append((key, _strings(value, f"{where} ({clause}) params.{key}")))
+    regex = None
+    match = entry.get("match")
+    if match is not None:
+        if not isinstance(match, str) or not match:
+            raise ValueError(f"{where} ({clause}) match must be a non-empty regex string")
+        try:
+            regex = re.compile(match)
+        except re.error as exc:
+            raise ValueError(f"{where} ({clause}) match is not a valid regex: {exc}") from exc
+    optional = {}
+    for key in OPTIONAL_KEYS:
+        if key in entry:
+            if not isinstance(entry[key], str) or not entry[key].strip():
+                raise ValueError(f"{where} ({clause}) {key} must be a non-empty string")
+            optional[key] = entry[key]
+    return Waiver(clause, category, str(entry["reason"]), expires, tests=tests,
+                  params=tuple(params), match=match, index=index, _regex=regex, **optional)
+
+
+def _parse_coverage(data, where: str, known: set[str]) -> tuple[dict[str, str], list[str]]:
+    allow: dict[str, str] = {}
+    problems: list[str] = []
+    if not isinstance(data, dict) or set(data) - {"allow_drop"}:
+        return {}, [f"{where} [coverage] takes only allow_drop = [{{clause = ..., reason = ...}}]"]
+    for n, item in enumerate(data.get("allow_drop", [])):
+        if not isinstance(item, dict) or set(item) != {"clause", "reason"} or \
+                not str(item.get("reason", "")).strip():
+            problems.append(f"{where} [coverage] allow_drop #{n + 1} needs exactly a clause "
+                            "and a reason")
+        elif item["clause"] not in known:
+            problems.append(f"{where} [coverage] allow_drop #{n + 1} names unknown clause "
+                            f"{item['clause']!r}")
+        else:
+            allow[item["clause"]] = str(item["reason"])
+    return allow, problems
+
+
+def load_expectations(backend_name: str, path: str | Path | None, known: set[str]
+                      ) -> tuple[Expectations, list[str]]:
+    """The backend's expectations, and the problems found (each fails the run)."""
     p = Path(path) if path else bundled_path(backend_name)
     if p is None:
-        return {}, []
+        return Expectations(), []
     if not p.is_file():
-        return {}, [f"expectations file {p} does not exist"]
+        return Expectations(), [f"expectations file {p} does not exist"]
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
-        return {}, [f"expectations file {p} is not valid TOML: {exc}"]
-    waivers: dict[str, Waiver] = {}
+        return Expectations(), [f"expectations file {p} is not valid TOML: {exc}"]
+    out = Expectations(path=str(p))
     problems: list[str] = []
+    seen: dict[tuple, int] = {}
     for n, entry in enumerate(data.get("waiver", [])):
         where = f"{p.name} waiver #{n + 1}"
-        missing = [k for k in ("clause", "category", "reason", "expires") if k not in entry]
-        if missing:
-            problems.append(f"{where} lacks {missing}")
+        try:
+            w = _parse_waiver(entry, where, known, n + 1)
+        except ValueError as exc:
+            problems.append(str(exc))
             continue
-        clause, category, expires = entry["clause"], entry["category"], entry["expires"]
-        if clause not in known:
-            problems.append(f"{where} names unknown clause {clause!r}")
+        key = (w.clause, w.tests, w.params, w.match)
+        if key in seen:
+            problems.append(f"{where} repeats the scope of waiver #{seen[key]} ({w.clause})")
             continue
-        if category not in CATEGORIES:
-            problems.append(f"{where} ({clause}) has category {category!r}; use one of "
-                            f"{list(CATEGORIES)}")
-            continue
-        if isinstance(expires, dt.datetime):
-            expires = expires.date()
-        if not isinstance(expires, dt.date):
-            problems.append(f"{where} ({clause}) expires {expires!r}: give a TOML date "
-                            "(2027-03-01)")
-            continue
-        if clause in waivers:
-            problems.append(f"{where} waives {clause} a second time")
-            continue
-        families = entry.get("families", [])
-        if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
-            problems.append(f"{where} ({clause}) families must be a list of family names")
-            continue
-        w = Waiver(clause, category, str(entry["reason"]), expires, entry.get("link"),
-                   tuple(families))
+        seen[key] = n + 1
         if w.expired:
-            problems.append(f"waiver for {clause} expired on {expires.isoformat()}: "
-                            f"fix the backend or renew the waiver ({w.reason})")
-        waivers[clause] = w
-    unknown_keys = set(data) - {"waiver"}
+            problems.append(f"{w.label} in {p.name} expired on {w.expires.isoformat()}: fix "
+                            f"the backend or renew the waiver ({w.reason})")
+        out.waivers.append(w)
+    if "coverage" in data:
+        out.allow_drop, more = _parse_coverage(data["coverage"], p.name, known)
+        problems += more
+    unknown_keys = set(data) - {"waiver", "coverage"}
     if unknown_keys:
         problems.append(f"{p.name} has unknown tables {sorted(unknown_keys)}")
-    return waivers, problems
+    return out, problems

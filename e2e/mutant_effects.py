@@ -79,21 +79,31 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def killers_from_run(kill_matrix: Path | None) -> dict[str, dict[str, list[str]]] | None:
+    """mutant -> family -> clauses that killed it there, from a kill matrix written by
+    `rlconform mutants` (its kills, not the catalogue's claims); None without one."""
+    if kill_matrix is None or not Path(kill_matrix).is_file():
+        return None
+    from rlconform.conformance.runner import kills_by_family
+
+    return kills_by_family(json.loads(Path(kill_matrix).read_text()))
+
+
 def measure(families: list[str], mutants: list[str], device: str, dtype: torch.dtype,
-            seed: int = 0, on_row=None) -> dict:
-    from rlconform.conformance import catalogue
+            seed: int = 0, on_row=None, kill_matrix: Path | None = None) -> dict:
     from rlconform.conformance.mutants import get_mutant, load_all
     from rlconform.fixtures.images import make_prompts
     from rlconform.reference_impl.trainer import TrainerSettings
 
     load_all()
-    killers = {m: [c.id for c in catalogue.CLAUSES if m in c.mutants] for m in mutants}
+    killers = killers_from_run(kill_matrix)
     rows: list[dict] = []
     result = {"device": device, "dtype": str(dtype).removeprefix("torch."),
               "model_size": os.environ.get("RLCONFORM_MODEL_SIZE", "tiny"),
               "gates": {"probs_ratio": f"|ratio - 1| > {RATIO_GATE}",
                         "token_mult_prob_error": f"mean > {GEN_TMPE_TOL[dtype]:g}",
                         "sampling_importance_ratio": f"|mean - 1| > {GEN_SIR_TOL:g}"},
+              "killed_by_source": str(kill_matrix) if killers is not None else None,
               "rows": rows}
     for family in families:
         settings = TrainerSettings(family, dtype=dtype, device=device, seed=seed)
@@ -103,8 +113,11 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
         images = [i for i in images for _ in range(2)]
         for name in ["reference", *mutants]:
             t0 = time.time()
-            row: dict = {"family": family, "mutant": name,
-                         "killed_by": [] if name == "reference" else killers[name]}
+            row: dict = {"family": family, "mutant": name}
+            if name != "reference" and killers is not None:
+                # the kill matrix's own kills on this family's tests (and tests of no family)
+                kills = killers.get(name, {})
+                row["killed_by"] = sorted({*kills.get(family, ()), *kills.get("*", ())})
             if device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
             try:
@@ -178,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mutants", default="", help="comma-separated (default: every trainer and "
                                                    "rollout mutant)")
     p.add_argument("--out", default="reports/out/mutant_effects.json")
+    p.add_argument("--kill-matrix", default=None,
+                   help="the kill matrix whose kills fill the 'killed by' column (default: "
+                        "mutants/kill_matrix.json beside --out; the column says 'no kill "
+                        "matrix run' without one)")
     a = p.parse_args(argv)
     if a.model_size:
         os.environ[SIZE_ENV] = a.model_size
@@ -196,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2))
         out.with_suffix(".md").write_text(markdown(result))
 
-    write(measure(families, mutants, a.device, getattr(torch, a.dtype), on_row=write))
+    km = Path(a.kill_matrix) if a.kill_matrix else out.parent / "mutants" / "kill_matrix.json"
+    write(measure(families, mutants, a.device, getattr(torch, a.dtype), on_row=write,
+                  kill_matrix=km))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 

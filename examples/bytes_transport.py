@@ -86,5 +86,5 @@ backend = Backend(
     name="bytes-transport",
     description="example out-of-tree transport: torch.save'd rows in a dict",
     transport=BytesTransport,
-    capabilities={"jagged_columns", "partitions", "bfloat16", "cpu"},
+    capabilities={"partitions", "bfloat16"},
 )

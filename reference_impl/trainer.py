@@ -120,6 +120,19 @@ def fused_attention(model: torch.nn.Module) -> bool:
     return bool(impls - {None, "eager"})
 
 
+def fused_attention_modules(model: torch.nn.Module) -> set[str]:
+    """The top-level modules (`model.vision_tower`: the first two parts of a weight's name)
+    holding an attention layer that runs a fused kernel, read from each attention layer's own
+    config: where a model mixes eager and fused attention, only these modules have a
+    non-reproducible backward."""
+    out = set()
+    for name, m in model.named_modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if type(m).__name__.endswith("Attention") and impl not in (None, "eager"):
+            out.add(".".join(name.split(".")[:2]))
+    return out
+
+
 @contextlib.contextmanager
 def strict_determinism():
     """PyTorch's strict deterministic mode for the duration (warn_only=False). Fused

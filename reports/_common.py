@@ -9,21 +9,27 @@ from .model import STATUS_SEVERITY
 
 STATUS_LABEL = {
     "passed": "passed",
-    "failed": "failed",
+    "passed_with_waivers": "passed with waivers",
     "waived": "waived",
+    "failed": "failed",
+    "error": "error",
     "xpass": "unexpected pass",
     "skipped": "skipped",
+    "incomplete": "incomplete",
     "not_applicable": "not applicable",
-    "error": "error",
 }
-STATUS_EMOJI = {
-    "passed": "✅",
-    "failed": "❌",
-    "waived": "🟡",
-    "xpass": "⚠️",
-    "skipped": "⏭️",
-    "not_applicable": "➖",
-    "error": "💥",
+# Plain-text marks: they render in any font (emoji turn into empty boxes in a headless browser
+# without an emoji font) and read the same in a terminal, Markdown and HTML.
+STATUS_MARK = {
+    "passed": "PASS",
+    "passed_with_waivers": "pass+w",
+    "waived": "waived",
+    "failed": "FAIL",
+    "error": "ERROR",
+    "xpass": "XPASS",
+    "skipped": "SKIP",
+    "incomplete": "partial",
+    "not_applicable": "n/a",
 }
 
 
@@ -70,15 +76,51 @@ def fmt_score(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
-def score_note(summary: Mapping[str, Any]) -> str:
-    """What the score leaves implicit when waivers count in it: how many applicable clauses
-    pass without one ("" when none is waived)."""
-    waived = summary.get("waived", 0)
-    if not waived:
-        return ""
-    applicable = summary["total"] - summary.get("not_applicable", 0)
-    return (f"waivers included: {summary.get('passed', 0)} of {applicable} applicable clauses "
-            f"pass without one")
+def untested(report: Mapping[str, Any]) -> dict[str, int]:
+    """Applicable-or-not clauses that were not judged, by why: `by_choice` (a surface the
+    backend left out), `by_capability` (a capability it does not declare), `deselected` (left
+    out of this run by -k, --surfaces or the model size)."""
+    out = {"by_choice": 0, "by_capability": 0, "deselected": len(report.get("deselected") or ())}
+    for e in report.get("not_tested") or ():
+        out["by_choice" if e["kind"] == "surface" else "by_capability"] += len(e["clauses"])
+    return out
+
+
+def verdict_word(report: Mapping[str, Any]) -> str:
+    """PASS only when nothing fails, nothing is partial and the run recorded no problem."""
+    from .model import FAILING
+
+    bad = any(c["status"] in FAILING for c in report["clauses"])
+    return "FAIL" if bad or report.get("problems") or report.get("deselected") else "PASS"
+
+
+def headline(report: Mapping[str, Any]) -> str:
+    """The one line every renderer leads with: the verdict, the clauses that pass without a
+    waiver over the applicable ones (the score), and beside it what is waived, failing and not
+    tested. An incomplete run says so instead of a score."""
+    s = report["summary"]
+    n_app = s["total"] - s.get("not_applicable", 0)
+    incomplete = s.get("incomplete", 0) or any(
+        p.startswith("run interrupted") or p.startswith("run stopped") or "no clause test ran" in p
+        for p in report.get("problems") or ())
+    score = "score n/a: run incomplete" if incomplete else f"score {fmt_score(s['score'])}"
+    parts = [f"{verdict_word(report)}: {s.get('passed', 0)} of {n_app} applicable clauses pass "
+             f"without a waiver ({score})"]
+    beside = [f"{s[k]} {STATUS_LABEL[k]}" for k in
+              ("passed_with_waivers", "waived", "failed", "error", "xpass", "skipped",
+               "incomplete") if s.get(k)]
+    if beside:
+        parts.append(", ".join(beside))
+    u = untested(report)
+    gaps = [f"{u['by_choice']} by a surface left out" if u["by_choice"] else "",
+            f"{u['by_capability']} by a capability not declared" if u["by_capability"] else "",
+            f"{u['deselected']} deselected" if u["deselected"] else ""]
+    gaps = [g for g in gaps if g]
+    if gaps:
+        parts.append("not tested: " + ", ".join(gaps))
+    if report.get("problems"):
+        parts.append(f"{len(report['problems'])} run problem(s)")
+    return "; ".join(parts)
 
 
 def sorted_clauses(clauses: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -159,7 +201,7 @@ def is_flat(metric: Mapping[str, Any]) -> bool:
 
 
 EFFECT_HEADER = ["Family", "Mutant", "probs_ratio min", "max", "mean", "tmpe mean", "tmpe max",
-                 "SIR mean", "Peak GiB", "Numeric gate alone", "Killed by (exact clauses)"]
+                 "SIR mean", "Peak GiB", "Numeric gate alone", "Killed by (kill matrix run)"]
 
 
 def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
@@ -180,8 +222,18 @@ def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
             verdict = "crash: " + first_line(r["error"], 80)
         rows.append([r["family"], r["mutant"], num(ratio, "min"), num(ratio, "max"),
                      num(ratio, "mean"), num(tmpe, "mean"), num(tmpe, "max"), num(sir, "mean"),
-                     num(r, "peak_gib"), verdict, ", ".join(r.get("killed_by") or []) or "—"])
+                     num(r, "peak_gib"), verdict, _killed_by(r)])
     return rows
+
+
+def _killed_by(row: Mapping[str, Any]) -> str:
+    """The clauses a kill matrix run saw kill the mutant on this family's tests; "no kill
+    matrix run" when the table was measured without one (never the catalogue's claims)."""
+    if row["mutant"] == "reference":
+        return "—"
+    if "killed_by" not in row:
+        return "no kill matrix run"
+    return ", ".join(row["killed_by"]) or "none on this family"
 
 
 def mutant_effect_caption(effects: Mapping[str, Any]) -> str:
@@ -192,3 +244,40 @@ def mutant_effect_caption(effects: Mapping[str, Any]) -> str:
             "caught only by the exact clauses in the last column; mutants that need their own "
             "settings (truncation, dynamic micro-batches, several steps) show no effect in a "
             "plain step.")
+
+
+def scope_text(waiver: Mapping[str, Any]) -> str:
+    """A waiver's scope in one line: `tests test_a, test_b; family llava; match 'regex'`."""
+    scope = waiver.get("scope") or {}
+    parts = []
+    if scope.get("tests"):
+        parts.append("tests " + ", ".join(scope["tests"]))
+    for key, values in (scope.get("params") or {}).items():
+        parts.append(f"{key} " + ", ".join(values))
+    if scope.get("match"):
+        parts.append(f"match {scope['match']!r}")
+    return "; ".join(parts) or "whole clause"
+
+
+def family_cell(counts: Mapping[str, int]) -> str:
+    """`3/3`, `2/3 w1`, `1/3 F2`: tests passed over tests run for one clause and family (w
+    waived, F failed or error, X passed where a waiver expected a failure, S skipped)."""
+    run = sum(n for k, n in counts.items() if k != "not_applicable")
+    if not run:
+        return "n/a"
+    marks = {"w": counts.get("waived", 0), "F": counts.get("failed", 0) + counts.get("error", 0),
+             "X": counts.get("xpass", 0), "S": counts.get("skipped", 0)}
+    return f"{counts.get('passed', 0)}/{run}" + "".join(f" {m}{n}" for m, n in marks.items() if n)
+
+
+def family_matrix(report: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """Families tested, and per clause tested on families one cell per family (family_cell;
+    "" where the clause has no test on that family)."""
+    families = sorted({f for c in report["clauses"] for f in (c.get("by_family") or {})})
+    rows = []
+    for c in sorted(report["clauses"], key=lambda c: c["id"]):
+        by = c.get("by_family") or {}
+        if not by or c["status"] == "not_applicable":
+            continue
+        rows.append((c["id"], [family_cell(by[f]) if f in by else "" for f in families]))
+    return families, rows

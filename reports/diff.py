@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import first_line
+from ._common import family_cell, first_line
 from .model import FAILING, as_report
+
+NOT_TESTED = ("not_applicable", None)
 
 # probs_ratio = exp(logp_train - logp_prev). Where the suite asserts it (one inner step, same
 # weights, same micro-batch and code path) it is exactly 1.0, so the baseline deviation is
@@ -86,7 +88,11 @@ class TestChange:
             return "added"
         if self.new is None:
             return "removed"
-        if self.old == "passed" and self.new in ("failed", "error"):
+        if self.old == "not_applicable":
+            return "coverage gained"  # newly tested, not newly fixed
+        if self.new == "not_applicable":
+            return "coverage lost"
+        if self.old in ("passed", "waived") and self.new in ("failed", "error"):
             return "regressed"
         if self.new == "passed":
             return "fixed"
@@ -103,6 +109,17 @@ class MetricRegression:
     limit: float
 
 
+@dataclass(frozen=True)
+class FamilyChange:
+    """One clause on one model family: tests passed / run before and after."""
+
+    clause: str
+    family: str
+    old: str  # family_cell text, "" when the family was not tested
+    new: str
+    kind: str  # "fixed" | "broke" | "changed"
+
+
 @dataclass
 class DiffResult:
     backend: str
@@ -117,6 +134,9 @@ class DiffResult:
     clauses_added: list[ClauseChange] = field(default_factory=list)
     clauses_removed: list[ClauseChange] = field(default_factory=list)
     other_status_changes: list[ClauseChange] = field(default_factory=list)
+    coverage_gained: list[ClauseChange] = field(default_factory=list)
+    coverage_lost: list[ClauseChange] = field(default_factory=list)
+    family_changes: list[FamilyChange] = field(default_factory=list)
     test_changes: list[TestChange] = field(default_factory=list)
     metric_regressions: list[MetricRegression] = field(default_factory=list)
     problems_new: list[str] = field(default_factory=list)  # run-level, absent from the old run
@@ -127,6 +147,7 @@ class DiffResult:
         """Anything a release engineer must look at before shipping."""
         return bool(
             self.newly_failing
+            or self.coverage_lost
             or self.waivers_expired
             or self.metric_regressions
             or self.problems_new
@@ -144,6 +165,9 @@ class DiffResult:
                 self.clauses_added,
                 self.clauses_removed,
                 self.other_status_changes,
+                self.coverage_gained,
+                self.coverage_lost,
+                self.family_changes,
                 self.test_changes,
                 self.metric_regressions,
                 self.problems_new,
@@ -196,21 +220,25 @@ def diff_reports(
             result.clauses_added.append(ClauseChange(cid, None, c["status"], c["message"]))
             continue
         change = ClauseChange(cid, o["status"], c["status"], c["message"])
-        if c["status"] in FAILING and o["status"] not in FAILING:
+        if o["status"] == "not_applicable" and c["status"] != "not_applicable":
+            result.coverage_gained.append(change)
+        elif c["status"] == "not_applicable" and o["status"] != "not_applicable":
+            result.coverage_lost.append(change)
+        elif c["status"] in FAILING and o["status"] not in FAILING:
             result.newly_failing.append(change)
         elif c["status"] == "passed" and o["status"] != "passed":
             result.newly_passing.append(change)
-        elif c["status"] == "waived" and o["status"] != "waived":
+        elif c["status"] in ("waived", "passed_with_waivers") and o["status"] != c["status"]:
             result.newly_waived.append(change)
         elif c["status"] != o["status"]:
             result.other_status_changes.append(change)
-        if (c.get("waiver") or {}).get("expired") and not (o.get("waiver") or {}).get("expired"):
-            w = c["waiver"]
-            result.waivers_expired.append(
-                ClauseChange(
-                    cid, o["status"], c["status"], f"expired {w['expires']}: {w['reason']}"
-                )
-            )
+        was_expired = {w["index"] for w in o.get("waivers") or () if w.get("expired")}
+        for w in c.get("waivers") or ():
+            if w.get("expired") and w["index"] not in was_expired:
+                result.waivers_expired.append(ClauseChange(
+                    cid, o["status"], c["status"],
+                    f"waiver #{w['index']} expired {w['expires']}: {w['reason']}"))
+        result.family_changes += _family_changes(cid, o, c)
         for name, metric in (c.get("metrics") or {}).items():
             old_metric = (o.get("metrics") or {}).get(name)
             if old_metric is None or old_metric["kind"] != metric["kind"]:
@@ -223,7 +251,10 @@ def diff_reports(
                     )
     for cid, o in old_by.items():
         if cid not in new_by:
-            result.clauses_removed.append(ClauseChange(cid, o["status"], None, ""))
+            if o["status"] != "not_applicable" and cid in (new.get("deselected") or ()):
+                result.coverage_lost.append(ClauseChange(cid, o["status"], "deselected", ""))
+            else:
+                result.clauses_removed.append(ClauseChange(cid, o["status"], None, ""))
 
     # Tests of added/removed clauses are already told by the clause entry.
     only = {c.id for c in result.clauses_added} | {c.id for c in result.clauses_removed}
@@ -246,6 +277,25 @@ def diff_reports(
     result.problems_new = [p for p in new_problems if p not in old_problems]
     result.problems_gone = [p for p in old_problems if p not in new_problems]
     return result
+
+
+def _family_changes(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
+                    ) -> list[FamilyChange]:
+    """Per family, what a newer run fixed (more tests pass without a waiver) or broke (fewer)."""
+    out = []
+    before, after = old.get("by_family") or {}, new.get("by_family") or {}
+    for family in sorted(before.keys() | after.keys()):
+        b, a = before.get(family) or {}, after.get(family) or {}
+        if b == a:
+            continue
+        gained = a.get("passed", 0) - b.get("passed", 0)
+        bad_a = sum(a.get(k, 0) for k in ("failed", "error", "xpass", "waived"))
+        bad_b = sum(b.get(k, 0) for k in ("failed", "error", "xpass", "waived"))
+        kind = "fixed" if gained > 0 and bad_a <= bad_b else \
+            "broke" if gained < 0 or bad_a > bad_b else "changed"
+        out.append(FamilyChange(cid, family, family_cell(b) if b else "",
+                                family_cell(a) if a else "", kind))
+    return out
 
 
 def _fmt_score(value: float | None) -> str:
@@ -279,6 +329,7 @@ def render_diff(result: DiffResult) -> str:
         lines.append(f"new run problems ({len(result.problems_new)}):")
         lines.extend(f"  {first_line(p)}" for p in result.problems_new)
     clause_block("newly failing", result.newly_failing)
+    clause_block("coverage lost (tested before, not now)", result.coverage_lost)
     clause_block("waivers expired", result.waivers_expired)
     if result.metric_regressions:
         lines.append(f"metric regressions ({len(result.metric_regressions)}):")
@@ -290,7 +341,15 @@ def render_diff(result: DiffResult) -> str:
     by_kind: dict[str, list[TestChange]] = {}
     for t in result.test_changes:
         by_kind.setdefault(t.kind, []).append(t)
-    for kind in ("regressed", "fixed", "changed", "added", "removed"):
+    for kind in ("fixed", "broke", "changed"):
+        fams = [f for f in result.family_changes if f.kind == kind]
+        if fams:
+            lines.append(f"per family, {kind} ({len(fams)}; tests passed/run, w waived, "
+                         "F failed):")
+            for f in fams:
+                lines.append(f"  {f.clause} [{f.family}]  {f.old or '-'} -> {f.new or '-'}")
+    for kind in ("regressed", "fixed", "changed", "coverage gained", "coverage lost", "added",
+                 "removed"):
         tests = by_kind.get(kind)
         if not tests:
             continue
@@ -303,6 +362,7 @@ def render_diff(result: DiffResult) -> str:
             )
     clause_block("newly passing", result.newly_passing)
     clause_block("newly waived", result.newly_waived)
+    clause_block("coverage gained (newly tested)", result.coverage_gained)
     clause_block("other status changes", result.other_status_changes)
     clause_block("clauses added", result.clauses_added)
     clause_block("clauses removed", result.clauses_removed)

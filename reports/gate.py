@@ -5,15 +5,20 @@ The gate fails (exit code 1) when
   IDs passed in `required` must moreover be in the report and pass or be waived);
 - a waiver expired (by its `expired` flag, or because its date is before `today`: a waiver is a
   promise dated when it is written, and the gate keeps it even for an old report);
-- a waived clause passed (`xpass`): the waiver is stale and would hide the next regression;
+- a waiver no longer holds (`xpass`: a test it names passed, or it matched no failure): it is
+  stale and would hide the next regression;
 - a clause was skipped: the framework marks `skipped` only where the clause applied, so a
-  declared capability went unchecked;
+  declared capability went unchecked; or left `incomplete` (its tests did not all report);
 - the run recorded `problems` (waivers naming no clause, ...);
 - clauses were left out of the run (`deselected`, e.g. by `--surfaces` or `-k`): a partial run
   cannot ship;
-- against a baseline, a clause or test that passed there now fails or errors. A clause that is
-  waived now is excused, tests included: the waiver is the one reviewed, expiring way to accept a
-  failure, and without this the first run after adding one could never go green.
+- against a baseline, a clause or test that passed there now fails or errors. A test whose
+  failure a waiver matches now is excused: the waiver is the one reviewed, expiring way to
+  accept a failure, and without this the first run after adding one could never go green;
+- against a baseline, coverage shrank: a clause tested there is not tested now (a capability
+  dropped, a surface left out, a clause deselected), unless the run names the drop as intended
+  (`allow_coverage_drop`, `--allow-coverage-drop`, or `[coverage] allow_drop` in the backend's
+  expectations file, recorded in the report with its reason).
 
 Exit codes: 0 the gate passed; 1 the gate failed; 2 usage error or an unreadable/invalid report
 or baseline (a baseline for another backend included), so CI can tell "red" from "broken".
@@ -28,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ._common import first_line, not_tested_lines
+from .model import ACCEPTED as _ACCEPTED
 from .model import ReportValidationError, as_report
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-_ACCEPTED = frozenset({"passed", "waived"})
 
 
 @dataclass
@@ -84,8 +89,11 @@ def gate(
     required: Iterable[str] | None = None,
     *,
     today: _dt.date | None = None,
+    allow_coverage_drop: Iterable[str] = (),
 ) -> GateResult:
-    """Judge `report` (a dict or a path), optionally against `baseline`; never raises on bad input."""
+    """Judge `report` (a dict or a path), optionally against `baseline`; never raises on bad
+    input. `allow_coverage_drop`: clause IDs (or "all") that may be untested now although the
+    baseline tested them."""
     try:
         report = as_report(report)
     except ReportValidationError as exc:
@@ -122,28 +130,33 @@ def gate(
         elif c["status"] not in _ACCEPTED and c["status"] not in ("failed", "error"):
             reasons.append(f"required clause {cid} did not pass (status {c['status']}){_note(c)}")
     for c in clauses:
-        w = c.get("waiver")
-        if waiver_expired(w, today):
-            reasons.append(
-                f"waiver for {c['id']} expired on {w.get('expires')} ({w.get('category')}: "
-                f"{first_line(w.get('reason'))})"
-            )
+        for w in c.get("waivers") or ():
+            if waiver_expired(w, today):
+                reasons.append(
+                    f"waiver #{w.get('index')} of {c['id']} expired on {w.get('expires')} "
+                    f"({w.get('category')}: {first_line(w.get('reason'))})"
+                )
     for c in clauses:
         if c["status"] == "xpass":
-            reasons.append(f"clause {c['id']} passed but is waived (xpass): remove the waiver")
+            reasons.append(f"clause {c['id']}: a waiver no longer holds (xpass){_note(c)}")
     for c in clauses:
         if c["status"] == "skipped":
             reasons.append(f"clause {c['id']} applies but was skipped{_note(c)}")
+        elif c["status"] == "incomplete":
+            reasons.append(f"clause {c['id']} was not fully run (incomplete){_note(c)}")
     for problem in report.get("problems") or ():
         reasons.append(f"problem: {problem}")
     if report.get("deselected"):
         reasons.append(f"partial run: clauses not run: {', '.join(report['deselected'])}")
+    reasons += _kill_matrix_reasons(report.get("kill_matrix"))
 
     if baseline is not None:
+        reasons += _coverage_drops(report, baseline, allow_coverage_drop)
         old_status = {c["id"]: c["status"] for c in baseline["clauses"]}
         regressed = set()
         for c in clauses:
-            if old_status.get(c["id"]) == "passed" and c["status"] in ("failed", "error"):
+            if old_status.get(c["id"]) in ("passed", "passed_with_waivers") and \
+                    c["status"] in ("failed", "error"):
                 regressed.add(c["id"])
                 reasons.append(
                     f"regression: clause {c['id']} passed in the baseline, now {c['status']}"
@@ -152,8 +165,8 @@ def gate(
         old_passed = _passed_tests(baseline)
         seen: set[str] = set()
         for c in clauses:
-            if c["status"] == "waived" or c["id"] in regressed:
-                continue  # excused, or already told at clause level
+            if c["id"] in regressed:
+                continue  # already told at clause level
             for t in c["tests"]:
                 nodeid = t["nodeid"]
                 if (
@@ -172,3 +185,55 @@ def gate(
     if reasons:
         return GateResult(False, reasons, EXIT_FAILED, untested)
     return GateResult(True, [], EXIT_OK, untested)
+
+
+def tested(report: Mapping[str, Any]) -> set[str]:
+    """Clauses this report judged (any status but not_applicable)."""
+    return {c["id"] for c in report["clauses"] if c["status"] != "not_applicable"}
+
+
+def _coverage_drops(report: Mapping[str, Any], baseline: Mapping[str, Any],
+                    allowed: Iterable[str]) -> list[str]:
+    """One reason per clause the baseline tested and this report does not, unless allowed."""
+    allowed = set(allowed)
+    declared = {d["clause"]: d["reason"] for d in report.get("coverage_drops_allowed") or ()}
+    by_id = {c["id"]: c for c in report["clauses"]}
+    lost = sorted(tested(baseline) - tested(report))
+    reasons = []
+    for cid in lost:
+        if "all" in allowed or cid in allowed or cid in declared:
+            continue
+        c = by_id.get(cid)
+        why = ("deselected from this run" if cid in (report.get("deselected") or ())
+               else f"not applicable now: {first_line(c.get('message'))}" if c
+               else "absent from this report")
+        reasons.append(
+            f"coverage lost: {cid} was tested in the baseline and is not now ({why}); if this "
+            "is intended, pass --allow-coverage-drop " + cid + " or add it to the backend's "
+            "expectations file ([coverage] allow_drop, with a reason)")
+    return reasons
+
+
+def _kill_matrix_reasons(km: Mapping[str, Any] | None) -> list[str]:
+    """A report that carries a kill matrix (the reference's) fails the gate when a mutant
+    survived its claimed clauses, a claim did not kill, or a mutant's run gave no verdict: the
+    clauses were not shown able to fail in this regime."""
+    if not km:
+        return []
+    regime = km.get("regime") or {}
+    where = " in the kill matrix" + (f" ({regime.get('device')}, {regime.get('dtype')}, "
+                                     f"{regime.get('model_size')})" if regime else "")
+    out, told = [], set()
+    for m in km.get("mutants") or ():
+        if m.get("killed"):
+            continue
+        told.add(m["name"])
+        if m.get("error"):
+            out.append(f"mutant {m['name']}'s run gave no verdict{where}: {first_line(m['error'])}")
+        else:
+            out.append(f"mutant {m['name']} survived{where}: no clause assertion failed in "
+                       f"{', '.join(m.get('expected') or ()) or 'its clauses'}")
+    for c in km.get("claims_not_killed") or ():
+        if c["mutant"] not in told:
+            out.append(f"{c['clause']} claims to kill {c['mutant']} but did not{where}")
+    return out

@@ -18,11 +18,12 @@ from typing import Any
 from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
+    family_matrix,
     first_line,
     flatten,
     fmt_duration,
     fmt_num,
-    fmt_score,
+    headline,
     is_flat,
     iter_metrics,
     kill_cell,
@@ -31,7 +32,7 @@ from ._common import (
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
-    score_note,
+    scope_text,
     sorted_clauses,
 )
 from .diff import METRIC_TOLERANCES
@@ -272,6 +273,7 @@ def _clause_view(clause: Mapping[str, Any], plotted: set[tuple[str, str]]) -> di
             "outcome": t["outcome"],
             "duration": fmt_duration(t.get("duration_s")),
             "message": t.get("message") or "",
+            "kind": t.get("failure_kind") or "",
             "example": (t.get("hypothesis") or {}).get("example") or "",
             "blob": (t.get("hypothesis") or {}).get("blob") or "",
         }
@@ -293,9 +295,10 @@ def _clause_view(clause: Mapping[str, Any], plotted: set[tuple[str, str]]) -> di
         "duration": fmt_duration(clause.get("duration_s")),
         "n_tests": len(tests),
         "n_passed": sum(t["outcome"] == "passed" for t in tests),
+        "n_waived": sum(t["outcome"] == "waived" for t in tests),
         "tests": tests,
         "metrics": metrics,
-        "waiver": clause.get("waiver"),
+        "waivers": [{**w, "scope_text": scope_text(w)} for w in clause.get("waivers") or ()],
     }
 
 
@@ -338,7 +341,8 @@ def render_html(report: Mapping[str, Any]) -> str:
                     "name": m["name"],
                     "defect": m.get("defect") or "",
                     "killed": m["killed"],
-                    "error": "" if m["killed"] else m.get("error") or "",
+                    "error": "" if m["killed"] else m.get("error") or (
+                        "failed only by exceptions, no clause assertion" if m["failed"] else ""),
                     "cells": [kill_cell(m, c) for c in columns],
                 }
                 for m in sorted(km["mutants"], key=lambda m: (m["killed"], m["name"]))
@@ -359,9 +363,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         "description": info.get("description") or "",
         "ok": verdict.ok,
         "reasons": verdict.reasons,
-        "score": fmt_score(summary["score"]),
-        "score_note": score_note(summary),
-        "score_pct": 0 if summary["score"] is None else round(100 * summary["score"], 1),
+        "headline": headline(report),
+        "families": family_matrix(report),
         "counts": [(s, STATUS_LABEL[s], summary[s]) for s in STATUSES],
         "total": summary["total"],
         "clauses": clauses,

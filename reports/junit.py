@@ -2,9 +2,10 @@
 
 One testsuite per backend; one testcase per test node (a test tied to several clauses appears
 once, with one `clause` property per clause), or per clause when the clause has no tests (not
-applicable clauses, clauses that errored before collecting). A waived failure is a passing
-testcase with a `waiver` property: CI viewers have no "waived" state and the gate, not JUnit, is
-the verdict. Run-level problems become failing testcases of their own so they are not lost.
+applicable clauses, clauses that errored before collecting). A waived test is a skipped testcase
+naming the waiver that matched it (CI viewers have no "waived" state; skipped keeps it apart
+from the passes), and a test a waiver names that passed is a failure. Run-level problems become
+failing testcases of their own so they are not lost.
 """
 
 from __future__ import annotations
@@ -29,26 +30,26 @@ def _clean(text: Any) -> str:
 def _result(clause: Mapping[str, Any], test: Mapping[str, Any] | None) -> tuple[str, str, str]:
     """(kind, type, text) of one clause/test pair; kind is pass, skipped, failure or error."""
     status = clause["status"]
-    waiver = clause.get("waiver") or {}
-    if status == "xpass":
-        return (
-            "failure",
-            "xpass",
-            f"clause {clause['id']} passed but is waived ({waiver.get('category')}: "
-            f"{waiver.get('reason')}); remove the waiver",
-        )
-    if waiver.get("expired") and status in ("waived", "passed"):
-        return (
-            "failure",
-            "waiver-expired",
-            f"waiver for {clause['id']} expired on {waiver['expires']}",
-        )
-    if status == "waived":
-        return "pass", "", ""
+    expired = [w for w in clause.get("waivers") or () if w.get("expired")]
+    if expired:
+        w = expired[0]
+        return ("failure", "waiver-expired",
+                f"waiver #{w['index']} of {clause['id']} expired on {w['expires']}")
+    if test is not None and test["outcome"] == "waived":
+        by = ", ".join(f"#{i}" for i in test.get("waived_by") or ()) or "a waiver"
+        return "skipped", "waived", f"waived by {by}: {test.get('message') or ''}"
+    if test is not None and test["outcome"] == "xpass":
+        return "failure", "xpass", test.get("message") or "passed although a waiver expects a " \
+            "failure: remove or narrow the waiver"
+    unused = status == "xpass" and not any(t["outcome"] == "xpass" for t in clause["tests"])
+    if unused and (test is None or test is clause["tests"][0]):
+        # a waiver that matched nothing: one failing testcase says so
+        return "failure", "xpass", clause["message"]
     if status == "not_applicable":
         return "skipped", "not-applicable", clause["message"] or "not applicable to this backend"
     if test is None:
-        kind = {"failed": "failure", "error": "error", "skipped": "skipped"}.get(status, "pass")
+        kind = {"failed": "failure", "error": "error", "skipped": "skipped",
+                "incomplete": "skipped"}.get(status, "pass")
         return kind, f"clause-{status}", clause["message"]
     outcome = test["outcome"]
     text = test.get("message") or clause["message"]
@@ -124,14 +125,14 @@ def render_junit(report: Mapping[str, Any]) -> str:
             ET.SubElement(cprops, "property", name="clause", value=_clean(clause["id"]))
         for clause in entry["clauses"]:
             ET.SubElement(cprops, "property", name="status", value=clause["status"])
-            w = clause.get("waiver")
-            if w:
+            for w in clause.get("waivers") or ():
                 ET.SubElement(
                     cprops,
                     "property",
                     name="waiver",
                     value=_clean(
-                        f"{clause['id']}: {w['category']}: {w['reason']} (expires {w['expires']})"
+                        f"{clause['id']} #{w['index']}: {w['category']}: {w['reason']} "
+                        f"(expires {w['expires']})"
                     ),
                 )
         kind, typ, text = max(entry["results"], key=lambda r: _SEVERITY[r[0]])

@@ -12,23 +12,24 @@ from typing import Any
 
 from ._common import (
     EFFECT_HEADER,
-    STATUS_EMOJI,
     STATUS_LABEL,
+    STATUS_MARK,
+    family_matrix,
     flatten,
     fmt_duration,
     fmt_num,
-    fmt_score,
+    headline,
     iter_metrics,
     kill_matrix_columns,
     metric_overview,
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
-    score_note,
+    scope_text,
     sorted_clauses,
 )
 from .gate import gate
-from .model import STATUSES
+from .model import FAILING, STATUSES
 
 MESSAGE_LIMIT = 1500  # per failure message: a traceback-sized message must not bury the rest
 TESTS_LIMIT = 5  # failing tests listed per clause; a parametrized clause can fail dozens
@@ -74,19 +75,22 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
     lines: list[str] = []
-    badge = "✅ PASS" if verdict.ok else "❌ FAIL"
+    badge = "PASS" if verdict.ok else "FAIL"
     lines.append(f"## rlconform · {_code(report['backend'])} · {badge}")
+    lines.append("")
+    lines.append(f"**{escape(headline(report))}**")
     lines.append("")
     counts = " · ".join(
         f"{summary[s]} {STATUS_LABEL[s]}"
         for s in STATUSES
         if summary[s] or s in ("passed", "failed")
     )
-    note = score_note(summary)
-    lines.append(f"**score {fmt_score(summary['score'])}**{f' ({note})' if note else ''} · "
-                 f"{counts} · {summary['total']} clauses")
+    lines.append(f"{counts} · {summary['total']} clauses")
     lines.append("")
     info = report.get("backend_info") or {}
+    if info.get("version"):
+        lines.append(f"System under test: {escape(info['version'])}")
+        lines.append("")
     if info.get("description"):
         lines.append(f"Backend: {escape(info['description'])}")
         lines.append("")
@@ -102,9 +106,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(f"- {escape(r)}" for r in verdict.reasons)
         lines.append("")
 
-    failing = [
-        c for c in sorted_clauses(report["clauses"]) if c["status"] in ("failed", "error", "xpass")
-    ]
+    failing = [c for c in sorted_clauses(report["clauses"]) if c["status"] in FAILING]
     if failing:
         lines.append("### Failures")
         lines.append("")
@@ -112,18 +114,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         for c in failing:
             req = "" if c.get("required", True) else " · advisory"
             lines.append(
-                f"- {STATUS_EMOJI[c['status']]} **{escape(c['id'])}** "
+                f"- {STATUS_MARK[c['status']]} **{escape(c['id'])}** "
                 f"({STATUS_LABEL[c['status']]} · {escape(c.get('surface') or '—')}{req}): "
                 f"{escape(c.get('title', ''))}"
             )
             if c["message"]:
                 lines.append(f"  <br>{escape(c['message'], MESSAGE_LIMIT)}")
-            bad = [t for t in c["tests"] if t["outcome"] in ("failed", "error")]
+            bad = [t for t in c["tests"] if t["outcome"] in ("failed", "error", "xpass")]
             for t in bad[:TESTS_LIMIT]:
                 same = (t.get("message") or "").strip() == c["message"].strip()
                 msg = "" if same else escape(t.get("message"), MESSAGE_LIMIT)
+                how = f" ({t['failure_kind']})" if t.get("failure_kind") else ""
                 lines.append(
-                    f"  - {_code(t['nodeid'])} {t['outcome']}" + (f": {msg}" if msg else "")
+                    f"  - {_code(t['nodeid'])} {t['outcome']}{how}" + (f": {msg}" if msg else "")
                 )
                 hyp = t.get("hypothesis") or {}
                 if hyp.get("example") or hyp.get("blob"):
@@ -153,39 +156,63 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(f"- {escape(p)}" for p in report["problems"])
         lines.append("")
 
-    waived = [c for c in sorted_clauses(report["clauses"]) if c.get("waiver")]
+    waived = [(c, w) for c in sorted_clauses(report["clauses"]) for w in c.get("waivers") or ()]
     if waived:
         lines.append("### Waivers")
+        lines.append("Each waiver covers the tests its scope selects and, where it gives a "
+                     "pattern, only failures that match it; any other failure of the clause "
+                     "still fails.")
+        lines.append("")
         rows = []
-        for c in waived:
-            w = c["waiver"]
+        for c, w in waived:
             expires = escape(w["expires"]) + (" **(expired)**" if w.get("expired") else "")
             reason = escape(w["reason"], 300)
+            for key in ("function", "input"):
+                if w.get(key):
+                    reason += f"<br>*{key}:* {escape(w[key], 200)}"
             if w.get("link"):
                 reason += f" ([link]({w['link'].replace(')', '%29').replace(' ', '%20')}))"
-            rows.append(
-                [escape(c["id"]), STATUS_LABEL[c["status"]], escape(w["category"]), expires, reason]
-            )
-        lines.extend(_table(["Clause", "Status", "Category", "Expires", "Reason"], rows))
+            use = f"{w.get('matched', 0)}/{w.get('covered', 0)} tests"
+            if w.get("unused"):
+                use += " **(matched nothing)**"
+            if w.get("xpass_tests"):
+                use += f" **({len(w['xpass_tests'])} passed)**"
+            rows.append([escape(c["id"]), f"#{w['index']}", escape(w["category"]),
+                         escape(scope_text(w), 200), use, expires, reason])
+        lines.extend(_table(["Clause", "#", "Category", "Scope", "Matched", "Expires",
+                             "Reason"], rows))
         lines.append("")
 
     lines.append("### Clauses")
     rows = []
     for c in sorted_clauses(report["clauses"]):
         n_pass = sum(t["outcome"] == "passed" for t in c["tests"])
+        n_waived = sum(t["outcome"] == "waived" for t in c["tests"])
+        tests = f"{n_pass}/{len(c['tests'])}" + (f" (+{n_waived} waived)" if n_waived else "")
         rows.append(
             [
-                STATUS_EMOJI[c["status"]],
+                STATUS_MARK[c["status"]],
                 escape(c["id"]),
                 escape(c.get("surface") or "—"),
                 STATUS_LABEL[c["status"]] + ("" if c.get("required", True) else " (advisory)"),
-                f"{n_pass}/{len(c['tests'])}",
+                tests,
                 fmt_duration(c.get("duration_s")),
                 escape(c["message"], NOTE_LIMIT),
             ]
         )
-    lines.extend(_table(["", "Clause", "Surface", "Status", "Tests", "Time", "Note"], rows))
+    lines.extend(_table(["", "Clause", "Surface", "Status", "Passed tests", "Time", "Note"],
+                        rows))
     lines.append("")
+
+    families, matrix = family_matrix(report)
+    if families:
+        lines.append("### Per model family")
+        lines.append("Tests passed / run per clause and family (w: waived, F: failed or "
+                     "error, X: passed where a waiver expected a failure).")
+        lines.append("")
+        lines.extend(_table(["Clause", *families],
+                            [[escape(cid), *cells] for cid, cells in matrix]))
+        lines.append("")
 
     metric_rows = []
     for clause, name, metric in iter_metrics(report):
@@ -222,7 +249,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         killed = sum(m["killed"] for m in mutants)
         lines.append("### Mutant kill matrix")
         lines.append(
-            f"{killed}/{len(mutants)} mutants killed across {len(kill_matrix_columns(km))} clauses."
+            f"{killed}/{len(mutants)} mutants killed by a clause assertion across "
+            f"{len(kill_matrix_columns(km))} clauses."
         )
         lines.append("")
         rows = []
@@ -232,9 +260,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             rows.append(
                 [
                     escape(m["name"]),
-                    "✅ killed" if m["killed"] else
-                    f"💥 error: {escape(m['error'], NOTE_LIMIT)}" if m.get("error") else
-                    "❌ survived",
+                    "killed" if m["killed"] else
+                    f"ERROR: {escape(m['error'], NOTE_LIMIT)}" if m.get("error") else
+                    "only exceptions, no assertion" if m.get("failed") else
+                    "SURVIVED",
                     escape(", ".join(m["expected"]) or "—"),
                     escape(", ".join(missed) or "—"),
                     escape(", ".join(extra) or "—"),

@@ -16,24 +16,30 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 # Clause statuses in schema order; renderers sort by STATUS_SEVERITY instead, worst first.
-STATUSES = ("passed", "failed", "waived", "xpass", "skipped", "not_applicable", "error")
-TEST_OUTCOMES = ("passed", "failed", "skipped", "not_applicable", "error")
+STATUSES = ("passed", "passed_with_waivers", "waived", "failed", "error", "xpass", "skipped",
+            "incomplete", "not_applicable")
+TEST_OUTCOMES = ("passed", "failed", "error", "waived", "xpass", "skipped", "not_applicable")
 WAIVER_CATEGORIES = ("backend-bug", "unsupported", "future")
-# Statuses that mean "the backend does not conform here, and nothing excuses it".
-FAILING = frozenset({"failed", "error", "xpass"})
+# Statuses that mean "the backend does not conform here, and nothing excuses it" (skipped and
+# incomplete: a declared clause that was not fully judged).
+FAILING = frozenset({"failed", "error", "xpass", "skipped", "incomplete"})
+# Accepted by the gate: passed, or failing only where a dated waiver says how.
+ACCEPTED = frozenset({"passed", "passed_with_waivers", "waived"})
 # Lower is shown first: what needs a reader's attention leads.
 STATUS_SEVERITY = {
     "error": 0,
     "failed": 1,
     "xpass": 2,
     "skipped": 3,
-    "waived": 4,
-    "passed": 5,
-    "not_applicable": 6,
+    "incomplete": 4,
+    "waived": 5,
+    "passed_with_waivers": 6,
+    "passed": 7,
+    "not_applicable": 8,
 }
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 SCORE_ROUNDING = 0.005
@@ -126,7 +132,7 @@ def _check_semantics(report: Mapping[str, Any], source: str | None) -> None:
     ):
         raise ReportValidationError(
             "$.summary.score",
-            f"says {summary['score']} but (passed + waived) / applicable is {expected}",
+            f"says {summary['score']} but passed (without a waiver) / applicable is {expected}",
             source,
         )
 
@@ -143,8 +149,35 @@ def _check_finite(node: Any, path: list[Any], source: str | None) -> None:
             _check_finite(value, [*path, i], source)
 
 
+def upgrade(obj: Any) -> Any:
+    """A schema 1.x report in the 2.0 form, so a baseline written before 2.0 can still be
+    diffed and gated against. 1.x scored waived clauses as passes and had one clause-wide
+    waiver per clause; here its `waived` clauses stay waived, the score becomes passed over
+    applicable, and each old waiver becomes a clause-wide entry of `waivers`. Anything else is
+    returned unchanged (validation then says what is wrong)."""
+    if not isinstance(obj, dict) or not str(obj.get("schema_version", "")).startswith("1."):
+        return obj
+    out = json.loads(json.dumps(obj))
+    out["schema_version"] = SCHEMA_VERSION
+    out["upgraded_from"] = obj["schema_version"]
+    for clause in out.get("clauses") or ():
+        if clause.get("status") == "passed" and str(clause.get("message", "")).startswith(
+                "partial:"):
+            clause["status"] = "incomplete"  # 1.x passed a clause on partial evidence
+        old = clause.pop("waiver", None)
+        clause["waivers"] = [] if not old else [{
+            "index": 1, "category": old.get("category", "backend-bug"),
+            "reason": old.get("reason") or "(no reason)", "link": old.get("link"),
+            "expires": old.get("expires", "1970-01-01"), "expired": bool(old.get("expired")),
+            "scope": {"params": {"family": old["families"]}} if old.get("families") else {}}]
+    if isinstance(out.get("summary"), dict) and isinstance(out.get("clauses"), list):
+        out["summary"] = summarize_clauses(out["clauses"])
+    return out
+
+
 def load_report(path: str | Path) -> dict[str, Any]:
-    """Read and validate a report.json; every fault is a `ReportValidationError`."""
+    """Read and validate a report.json; every fault is a `ReportValidationError`. A schema 1.x
+    report is upgraded first (`upgrade`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -156,6 +189,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
         raise ReportValidationError(
             "$", f"not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", str(path)
         ) from exc
+    obj = upgrade(obj)
     validate_report(obj, source=str(path))
     return obj
 
@@ -164,20 +198,26 @@ def as_report(report_or_path: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     """Accept a report dict (validated here) or a path to one, so callers take either."""
     if isinstance(report_or_path, (str, Path)):
         return load_report(report_or_path)
-    validate_report(report_or_path)
-    return dict(report_or_path)
+    report = upgrade(dict(report_or_path))
+    validate_report(report)
+    return report
+
+
+def applicable(summary: Mapping[str, int]) -> int:
+    return summary["total"] - summary.get("not_applicable", 0)
 
 
 def score(summary: Mapping[str, int]) -> float | None:
-    """(passed + waived) / applicable clauses, where applicable = total - not_applicable.
+    """Clauses passed *without* a waiver / applicable clauses (total - not_applicable).
 
-    Waived clauses count for the backend: a waiver is a reviewed, dated exception, and the gate
-    (not the score) enforces its expiry. None when nothing applied: 0/0 is not a score.
+    A waiver is a reviewed, dated exception the gate accepts, but it is not conformance: waived
+    and passed-with-waivers clauses are shown beside the score, never folded in. None when
+    nothing applied: 0/0 is not a score.
     """
-    applicable = summary["total"] - summary.get("not_applicable", 0)
-    if applicable <= 0:
+    n = applicable(summary)
+    if n <= 0:
         return None
-    return (summary.get("passed", 0) + summary.get("waived", 0)) / applicable
+    return summary.get("passed", 0) / n
 
 
 def summarize_clauses(clauses: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

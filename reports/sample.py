@@ -118,7 +118,7 @@ def example_report(failing: bool = False, seed: int = 0) -> dict[str, Any]:
                 "mutants": [m for m, ids in _MUTANTS.items() if cid in ids],
                 "duration_s": round(sum(t["duration_s"] for t in tests), 3),
                 "tests": tests,
-                "waiver": None,
+                "waivers": [],
                 "metrics": {},
             }
         )
@@ -173,17 +173,25 @@ def example_report(failing: bool = False, seed: int = 0) -> dict[str, Any]:
         )
         adv["tests"][0].update(outcome="failed", message=adv["message"])
         w = by_id["DP-MEDIA-DEDUP"]
-        w.update(status="waived", message="row 3 read back segment 0 twice")
-        w["tests"][2].update(outcome="failed", message=w["message"])
-        w["waiver"] = {
+        w.update(status="passed_with_waivers", message="1 of 3 tests waived")
+        w["tests"][2].update(outcome="waived", message="row 3 read back segment 0 twice",
+                             waived_by=[1])
+        w["waivers"] = [{
+            "index": 1,
             "category": "backend-bug",
             "reason": "shared segments are copied per row on put",
+            "function": "store.put_rows",
+            "input": "4 rows, rows 2 and 3 sharing row 0's image",
             "link": "https://example.invalid/issues/42",
             "expires": "2099-03-01",
             "expired": False,
-        }
+            "scope": {"tests": [w["tests"][2]["nodeid"].split("::")[-1]],
+                      "match": "read back segment"},
+            "covered": 1, "matched": 1, "xpass_tests": [], "unused": False,
+        }]
 
-    killed_ids = {c["id"] for c in clauses if c["status"] in ("passed", "waived", "failed")}
+    killed_ids = {c["id"] for c in clauses
+                  if c["status"] in ("passed", "passed_with_waivers", "waived", "failed")}
     kill = []
     for name, expected in _MUTANTS.items():
         fails = [cid for cid in expected if cid in killed_ids]

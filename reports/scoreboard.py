@@ -4,10 +4,13 @@ It reads report.json files (each validated by `reports.model.load_report`): from
 and from directories (every `report.json` below one, and every `*.json` directly in it, as the
 committed reports in docs/backend-reports/ are named `<backend>-<version>.json`). A column per
 report: the backend, the version of the system under test (`backend_info.version`), where and
-how it ran, and its score; a row per clause, in catalogue order, then any clause only an older
-or newer report knows. A cell is the clause's status in that report; a waived clause names its
-waiver's category, and the reason is a footnote (Markdown) or a tooltip (HTML), as is a failure's
-message. A clause a report does not have (it predates the clause) shows as absent.
+how it ran, and its score (clauses passed *without* a waiver over applicable clauses; what is
+waived or untested stands beside it); a row per clause, in catalogue order, then any clause only
+an older or newer report knows. A cell is the clause's status in that report; a waived clause
+names its waivers' categories, and their reasons are a footnote (Markdown) or a tooltip (HTML),
+as is a failure's message. A clause a report does not have (it predates the clause) shows as
+absent. A report made under another clause catalogue than the current one is marked stale.
+Columns are ordered by the score, the reference first.
 
 `rlconform scoreboard docs/backend-reports --md docs/scoreboard.md --html scoreboard.html`
 """
@@ -21,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import STATUS_EMOJI, STATUS_LABEL, fmt_score
+from ._common import STATUS_LABEL, STATUS_MARK, family_cell, fmt_score, untested
 from .model import STATUSES, ReportValidationError, load_report
 
 ABSENT = "absent"
-ABSENT_EMOJI = "·"
+ABSENT_MARK = "-"
 ABSENT_NOTE = "the report has no such clause (it predates it, or the catalogue dropped it)"
 TITLE = "rlconform scoreboard"
 
@@ -50,6 +53,15 @@ class Entry:
     def clauses(self) -> dict[str, Mapping[str, Any]]:
         return {c["id"]: c for c in self.report["clauses"]}
 
+    @property
+    def score(self) -> float:
+        s = self.report["summary"]["score"]
+        return -1.0 if s is None else s
+
+    def stale(self, current: str | None) -> bool:
+        """Made under another clause catalogue (or before reports recorded one)."""
+        return current is not None and self.report["provenance"].get("catalogue") != current
+
 
 @dataclass
 class Scoreboard:
@@ -57,6 +69,11 @@ class Scoreboard:
     clause_ids: list[str]
     titles: dict[str, str] = field(default_factory=dict)
     surfaces: dict[str, str] = field(default_factory=dict)
+    catalogue: str | None = None  # the current catalogue's fingerprint
+
+    def families(self) -> list[str]:
+        return sorted({f for e in self.entries for c in e.report["clauses"]
+                       for f in (c.get("by_family") or {})})
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -112,12 +129,13 @@ def load_entries(inputs: Iterable[str | Path]) -> list[Entry]:
 
 
 def build(entries: Sequence[Entry]) -> Scoreboard:
-    """Columns: the reference first (the baseline), then by backend and version; rows in
-    catalogue order, then clauses that only a report knows (sorted)."""
-    from rlconform.conformance.catalogue import CLAUSES
+    """Columns: the reference first (the baseline), then by score (clauses passed without a
+    waiver over applicable), best first; rows in catalogue order, then clauses that only a
+    report knows (sorted)."""
+    from rlconform.conformance.catalogue import CLAUSES, fingerprint
 
-    entries = sorted(entries, key=lambda e: (e.backend != "reference", e.backend, e.version,
-                                             str(e.path)))
+    entries = sorted(entries, key=lambda e: (e.backend != "reference", -e.score, e.backend,
+                                             e.version, str(e.path)))
     seen: dict[str, Mapping[str, Any]] = {}
     for e in entries:
         for c in e.report["clauses"]:
@@ -129,7 +147,7 @@ def build(entries: Sequence[Entry]) -> Scoreboard:
     for cid, c in seen.items():
         titles.setdefault(cid, c.get("title", ""))
         surfaces.setdefault(cid, c.get("surface", ""))
-    return Scoreboard(list(entries), ids, titles, surfaces)
+    return Scoreboard(list(entries), ids, titles, surfaces, fingerprint())
 
 
 # -- cells --------------------------------------------------------------------------------------
@@ -140,20 +158,58 @@ def cell(entry: Entry, clause_id: str) -> tuple[str, str, str]:
     if c is None:
         return ABSENT, ABSENT, ABSENT_NOTE
     status = c["status"]
-    label = STATUS_LABEL[status]
-    w = c.get("waiver")
-    if status in ("waived", "xpass") and w:
-        label = f"{label} ({w['category']})"
-        note = f"{w['category']}: {w['reason']}"
-        if w.get("link"):
-            note += f" ({w['link']})"
-        note += f" [expires {w['expires']}]"
+    label = STATUS_MARK[status]
+    waivers = c.get("waivers") or []
+    if status in ("waived", "passed_with_waivers", "xpass") and waivers:
+        n_w = sum(t["outcome"] == "waived" for t in c["tests"])
+        label = f"{label} ({n_w}/{len(c['tests'])} tests)" if status != "xpass" else label
+        notes = []
+        for w in waivers:
+            note = f"#{w['index']} {w['category']}: {w['reason']}"
+            if w.get("function"):
+                note += f" [{w['function']}]"
+            if w.get("link"):
+                note += f" ({w['link']})"
+            note += f" [expires {w['expires']}]"
+            notes.append(note)
+        note = " ".join(" / ".join(notes).split())
         if status == "xpass":
-            note = "passed although waived: remove the waiver. " + note
-        return status, label, " ".join(note.split())
-    if status in ("failed", "error", "skipped"):
+            note = f"{c.get('message') or 'a waiver no longer holds'}. " + note
+        return status, label, note
+    if status in ("failed", "error", "skipped", "incomplete"):
         return status, label, " ".join((c.get("message") or "").split())
     return status, label, ""
+
+
+def family_summary(entry: Entry, family: str) -> str:
+    """One backend on one family: clauses all of whose tests on it pass without a waiver, over
+    clauses tested on it; the tests' waived and failed counts beside."""
+    tested = passing = 0
+    total: dict[str, int] = {}
+    for c in entry.report["clauses"]:
+        counts = (c.get("by_family") or {}).get(family)
+        if not counts or c["status"] == "not_applicable":
+            continue
+        tested += 1
+        run = sum(n for k, n in counts.items() if k != "not_applicable")
+        passing += counts.get("passed", 0) == run
+        for k, n in counts.items():
+            total[k] = total.get(k, 0) + n
+    if not tested:
+        return ""
+    tests = family_cell(total)
+    return f"{passing}/{tested} ({tests.split(' ', 1)[1] if ' ' in tests else 'all pass'})"
+
+
+def score_cells(entry: Entry) -> list[str]:
+    """score | passed with waivers | waived | failing | not tested (by choice / capability)."""
+    s = entry.report["summary"]
+    n_app = s["total"] - s.get("not_applicable", 0)
+    failing = sum(s.get(k, 0) for k in ("failed", "error", "xpass", "skipped", "incomplete"))
+    u = untested(entry.report)
+    return [f"{fmt_score(s['score'])} ({s.get('passed', 0)}/{n_app})",
+            str(s.get("passed_with_waivers", 0)), str(s.get("waived", 0)), str(failing),
+            f"{u['by_choice']} / {u['by_capability']}"]
 
 
 def provenance_line(report: Mapping[str, Any]) -> str:
@@ -190,20 +246,34 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
     out = Path(out_dir) if out_dir is not None else None
     lines = [f"# {TITLE}", "",
              "Generated by `rlconform scoreboard` from the report.json files named below; do not "
-             "edit. Each column is one backend's run of the suite; a waived clause failed and a "
-             "dated waiver (category and reason in the footnote) covers it; the score is "
-             "(passed + waived) / applicable clauses.", ""]
+             "edit. Each column is one backend's run of the suite. The score is the clauses "
+             "that pass **without a waiver** over the clauses that apply; clauses that pass "
+             "only with waivers, waived clauses (dated waivers name the failures they accept: "
+             "footnotes), failing clauses and clauses not tested (a surface left out / a "
+             "capability not declared) stand beside it. Backends are ordered by score.", ""]
     if not board.entries:
         return "\n".join(lines + ["No reports.", ""])
-    lines += ["| backend | system under test | run | score | clauses | report |",
-              "|---|---|---|---|---|---|"]
+    lines += ["| backend | system under test | run | score (passed/applicable) | passed with "
+              "waivers | waived | failing | not tested (surface / capability) | report |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for e in board.entries:
-        s = e.report["summary"]
         link = e.md_report or e.path
         ref = f"[{link.name}]({_rel(link, out)})" if out is not None else link.name
+        stale = " **stale: made under another clause catalogue; regenerate**" \
+            if e.stale(board.catalogue) else ""
         lines.append(f"| `{e.backend}` | {_md_escape(e.version) or '—'} | "
-                     f"{_md_escape(provenance_line(e.report))} | {fmt_score(s['score'])} | "
-                     f"{counts_line(s)} | {ref} |")
+                     f"{_md_escape(provenance_line(e.report))}{stale} | "
+                     + " | ".join(score_cells(e)) + f" | {ref} |")
+    families = board.families()
+    if families:
+        lines += ["", "Per model family: clauses whose tests on the family all pass without a "
+                  "waiver / clauses tested on it (w: waived tests, F: failed, X: unexpected "
+                  "passes).", "",
+                  "| family | " + " | ".join(f"`{e.backend}`" for e in board.entries) + " |",
+                  "|---|" + "---|" * len(board.entries)]
+        for f in families:
+            lines.append(f"| {f} | " + " | ".join(family_summary(e, f) or "-"
+                                                  for e in board.entries) + " |")
     lines += ["", "| clause | surface | " + " | ".join(f"`{e.backend}`" for e in board.entries)
               + " |", "|---|---|" + "---|" * len(board.entries)]
     notes: list[str] = []
@@ -212,8 +282,7 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
         row = [f"{cid}", board.surfaces.get(cid, "")]
         for e in board.entries:
             status, label, note = cell(e, cid)
-            emoji = ABSENT_EMOJI if status == ABSENT else STATUS_EMOJI[status]
-            text = f"{emoji} {label}"
+            text = label
             if note and status != ABSENT:
                 key = f"{e.backend}|{note}"
                 if key not in index:
@@ -222,8 +291,8 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
                 text += f" [^{index[key]}]"
             row.append(text)
         lines.append("| " + " | ".join(row) + " |")
-    legend = ", ".join(f"{STATUS_EMOJI[s]} {STATUS_LABEL[s]}" for s in STATUSES)
-    lines += ["", f"Statuses: {legend}, {ABSENT_EMOJI} {ABSENT} ({ABSENT_NOTE}).", ""]
+    legend = ", ".join(f"{STATUS_MARK[s]} {STATUS_LABEL[s]}" for s in STATUSES)
+    lines += ["", f"Statuses: {legend}, {ABSENT_MARK} {ABSENT} ({ABSENT_NOTE}).", ""]
     if notes:
         lines += notes + [""]
     return "\n".join(lines)
@@ -236,8 +305,10 @@ table{border-collapse:collapse;margin:1em 0}
 th,td{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top;text-align:left}
 thead th{position:sticky;top:0;background:#f6f8fa}
 td.s{white-space:nowrap}
-.passed{background:#dafbe1}.failed,.error,.xpass{background:#ffebe9}
-.waived{background:#fff8c5}.skipped{background:#fbefff}
+.passed{background:#dafbe1}.passed_with_waivers{background:#eef7d6}
+.failed,.error,.xpass{background:#ffebe9}
+.waived{background:#fff8c5}.skipped,.incomplete{background:#fbefff}
+.stale{color:#cf222e;font-weight:600}
 .not_applicable{color:#656d76}.absent{color:#8c959f;background:#f6f8fa}
 td[title]{cursor:help;text-decoration:underline dotted}
 small{color:#656d76}
@@ -251,8 +322,10 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
     parts = ["<!doctype html><html><head><meta charset='utf-8'>",
              f"<title>{TITLE}</title><style>{_CSS}</style></head><body>",
              f"<h1>{TITLE}</h1>",
-             "<p>Each column is one backend's run of the suite. Hover a cell for the waiver's "
-             "reason or the failure's message. Score: (passed + waived) / applicable clauses."
+             "<p>Each column is one backend's run of the suite, ordered by score: clauses that "
+             "pass <b>without a waiver</b> over the clauses that apply. Passed with waivers, "
+             "waived, failing and not tested (surface left out / capability not declared) "
+             "stand beside it. Hover a cell for the waivers' reasons or the failure's message."
              "</p>"]
     if not board.entries:
         return "".join(parts + ["<p>No reports.</p></body></html>"])
@@ -261,10 +334,15 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
         s = e.report["summary"]
         link = e.md_report or e.path
         href = _rel(link, out) if out is not None else link.as_posix()
+        sc = score_cells(e)
+        stale = "<br><span class='stale'>stale: another clause catalogue</span>" \
+            if e.stale(board.catalogue) else ""
         parts.append(
             f"<th><code>{e_(e.backend)}</code><br>{e_(e.version) or '—'}<br>"
-            f"<small>{e_(provenance_line(e.report))}</small><br>"
-            f"score <b>{e_(fmt_score(s['score']))}</b><br><small>{e_(counts_line(s))}</small>"
+            f"<small>{e_(provenance_line(e.report))}</small>{stale}<br>"
+            f"score <b>{e_(sc[0])}</b><br><small>with waivers {e_(sc[1])}, waived {e_(sc[2])}"
+            f", failing {e_(sc[3])}, not tested {e_(sc[4])}</small><br>"
+            f"<small>{e_(counts_line(s))}</small>"
             f"<br><a href='{e_(href)}'>{e_(link.name)}</a></th>")
     parts.append("</tr></thead><tbody>")
     for cid in board.clause_ids:
@@ -272,13 +350,23 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
                      f"<td>{e_(board.surfaces.get(cid, ''))}</td>")
         for e in board.entries:
             status, label, note = cell(e, cid)
-            emoji = ABSENT_EMOJI if status == ABSENT else STATUS_EMOJI[status]
             title = f" title='{e_(note)}'" if note else ""
-            parts.append(f"<td class='s {status}'{title}>{emoji} {e_(label)}</td>")
+            parts.append(f"<td class='s {status}'{title}>{e_(label)}</td>")
         parts.append("</tr>")
     parts.append("</tbody></table>")
-    legend = ", ".join(f"{STATUS_EMOJI[s]} {STATUS_LABEL[s]}" for s in STATUSES)
-    parts.append(f"<p><small>{e_(legend)}, {ABSENT_EMOJI} {ABSENT}: {e_(ABSENT_NOTE)}"
+    families = board.families()
+    if families:
+        parts.append("<h2>Per model family</h2><p><small>Clauses whose tests on the family all "
+                     "pass without a waiver / clauses tested on it (w: waived tests, F: failed, "
+                     "X: unexpected passes).</small></p><table><thead><tr><th>family</th>")
+        parts += [f"<th><code>{e_(e.backend)}</code></th>" for e in board.entries]
+        parts.append("</tr></thead><tbody>")
+        for f in families:
+            parts.append(f"<tr><td>{e_(f)}</td>" + "".join(
+                f"<td>{e_(family_summary(e, f) or '-')}</td>" for e in board.entries) + "</tr>")
+        parts.append("</tbody></table>")
+    legend = ", ".join(f"{STATUS_MARK[s]} {STATUS_LABEL[s]}" for s in STATUSES)
+    parts.append(f"<p><small>{e_(legend)}, {ABSENT_MARK} {ABSENT}: {e_(ABSENT_NOTE)}"
                  "</small></p></body></html>")
     return "".join(parts)
 

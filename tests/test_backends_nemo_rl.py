@@ -42,7 +42,7 @@ def test_backend_loads_and_declares_only_what_it_wraps(nr):
     b = load_backend("nemo-rl")
     assert b.surfaces == ("transport", "codec", "meta", "batch_ops")
     assert "NeMo-RL" in b.description
-    for left_out in ("trainer", "rollout", "object_columns", "media_dedup", "dim1_packing",
+    for left_out in ("trainer", "rollout", "object_columns",
                      "batch_algebra", "micro_batching", "multiprocess"):
         assert left_out in b.notes, f"no note says why {left_out} is not declared"
 

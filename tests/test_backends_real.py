@@ -137,8 +137,6 @@ def test_backend_loads_with_requirements_and_known_capabilities(name):
     assert backend.name == name and backend.provides("transport")
     assert backend.capabilities <= CAPABILITIES.keys()
     assert requirements(name), f"{name} lists no pip requirements for the nox session"
-    if "jagged_columns" in backend.capabilities:
-        assert {"media_dedup", "dim1_packing"} <= backend.capabilities
 
 
 # -- round trips --------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_both_variants_are_bundled_with_their_requirement_and_notes():
     for name in (DEFAULT, INDEPENDENT):
         b = load_backend(name)
         assert b.name == name and b.surfaces == ("batch_ops", "trainer")
-        assert b.capabilities == {"cpu", "micro_batching"}
+        assert b.capabilities == {"micro_batching"}
         assert requirements(name) == ("trl==1.16.0",)
         assert "logprobs" in b.notes["rollout"], "the backend must say why it has no rollout"
         assert b.describe()["notes"] == b.notes

@@ -77,12 +77,30 @@ def set_status(report: dict, cid: str, status: str, message: str = "boom", **ext
 
 
 WAIVER = {
+    "index": 1,
     "category": "backend-bug",
     "reason": "known bug",
     "link": None,
     "expires": "2099-01-01",
     "expired": False,
+    "scope": {"match": "known"},
+    "covered": 1,
+    "matched": 1,
+    "xpass_tests": [],
+    "unused": False,
 }
+
+
+def waive(report: dict, cid: str, waiver: dict | None = None, message: str = "known bug",
+          all_tests: bool = False) -> dict:
+    """A clause whose first test (every test: `all_tests`) failed and a waiver matched it."""
+    c = clause(report, cid)
+    tests = c["tests"] if all_tests else c["tests"][:1]
+    for t in tests:
+        t.update(outcome="waived", message=message, waived_by=[1])
+    status = "waived" if len(tests) == len(c["tests"]) else "passed_with_waivers"
+    c.update(status=status, message=message, waivers=[{**WAIVER, **(waiver or {})}])
+    return refresh(report)
 
 
 # --- schema and model ------------------------------------------------------------------------
@@ -101,18 +119,18 @@ def test_example_reports_are_valid():
         (lambda r: r.pop("provenance"), "$", ["provenance"]),
         (lambda r: r["clauses"][0].pop("tests"), "$.clauses[0]", ["tests"]),
         (
-            lambda r: r["clauses"][2]["tests"][1].update(outcome="xpass"),
+            lambda r: r["clauses"][2]["tests"][1].update(outcome="xfail"),
             "$.clauses[2].tests[1].outcome",
-            ["xpass"],
+            ["xfail"],
         ),
         (
-            lambda r: r["clauses"][1].update(waiver={**WAIVER, "category": "wontfix"}),
-            "$.clauses[1].waiver.category",
+            lambda r: r["clauses"][1].update(waivers=[{**WAIVER, "category": "wontfix"}]),
+            "$.clauses[1].waivers[0].category",
             ["wontfix"],
         ),
         (
-            lambda r: r["clauses"][1].update(waiver={**WAIVER, "expires": "soon"}),
-            "$.clauses[1].waiver.expires",
+            lambda r: r["clauses"][1].update(waivers=[{**WAIVER, "expires": "soon"}]),
+            "$.clauses[1].waivers[0].expires",
             ["soon"],
         ),
         (
@@ -126,7 +144,7 @@ def test_example_reports_are_valid():
             ["gauge"],
         ),
         (lambda r: r["summary"].update(passed=-1), "$.summary.passed", ["-1"]),
-        (lambda r: r.update(schema_version="2.0"), "$.schema_version", ["2.0"]),
+        (lambda r: r.update(schema_version="3.0"), "$.schema_version", ["3.0"]),
         (lambda r: r["kill_matrix"]["mutants"][0].pop("killed"), "$.kill_matrix", ["killed"]),
     ],
 )
@@ -145,7 +163,8 @@ def test_schema_rejects_a_broken_report_naming_the_path(edit, path, words):
     "edit, path, words",
     [
         (lambda r: r["summary"].update(failed=1), "$.summary.failed", ["says 1", "0 clauses"]),
-        (lambda r: r["summary"].update(score=0.5), "$.summary.score", ["(passed + waived)"]),
+        (lambda r: r["summary"].update(score=0.5), "$.summary.score",
+         ["passed (without a waiver) / applicable"]),
         (
             lambda r: r["clauses"][1].update(id=r["clauses"][0]["id"]),
             "$.clauses[1].id",
@@ -177,7 +196,7 @@ def test_cross_field_rules_name_the_path(edit, path, words):
 
 def test_minor_versions_unknown_keys_and_rounded_scores_are_accepted():
     report = green()
-    report["schema_version"] = "1.7"
+    report["schema_version"] = "2.7"
     report["written_by_a_newer_runner"] = {"anything": 1}
     validate_report(report)
     report = example_report(failing=True)
@@ -199,20 +218,51 @@ def test_load_report_names_the_file(tmp_path):
         load_report(bad)
 
 
-def test_score_counts_waived_over_applicable():
+def test_score_counts_only_clauses_passed_without_a_waiver():
     summary = {
         "passed": 10,
+        "passed_with_waivers": 2,
         "failed": 1,
         "waived": 1,
         "xpass": 0,
         "skipped": 0,
+        "incomplete": 0,
         "not_applicable": 3,
         "error": 1,
-        "total": 16,
+        "total": 18,
     }
-    assert score(summary) == pytest.approx(11 / 13)
-    assert score({**summary, "total": 3, "passed": 0, "failed": 0, "waived": 0, "error": 0}) is None
-    assert example_report(failing=True)["summary"]["score"] == pytest.approx(12 / 14)
+    assert score(summary) == pytest.approx(10 / 15)
+    assert score({**summary, "total": 3, "passed": 0, "passed_with_waivers": 0, "failed": 0,
+                  "waived": 0, "error": 0}) is None
+    # three backends read 100% under the old rule with no clause passing unwaived: now 0
+    assert score({**summary, "passed": 0, "passed_with_waivers": 0, "failed": 0, "error": 0,
+                  "waived": 15}) == 0.0
+    assert example_report(failing=True)["summary"]["score"] == pytest.approx(11 / 14)
+
+
+def test_a_schema_1_report_is_upgraded_and_scored_honestly():
+    """A baseline written before schema 2 still loads: its waived clauses stay waived and its
+    score counts them out."""
+    from rlconform.reports.model import upgrade
+
+    old = green()
+    old["schema_version"] = "1.0"
+    for c in old["clauses"]:
+        c.pop("waivers")
+        c["waiver"] = None
+    c = clause(old, "DP-MEDIA-DEDUP")
+    c.update(status="waived", waiver={k: WAIVER[k] for k in
+                                      ("category", "reason", "link", "expires", "expired")})
+    for key in ("passed_with_waivers", "incomplete"):
+        old["summary"].pop(key)
+    old["summary"]["passed"] -= 1
+    old["summary"]["waived"] = 1
+    new = upgrade(old)
+    validate_report(new)
+    assert new["upgraded_from"] == "1.0"
+    assert clause(new, "DP-MEDIA-DEDUP")["waivers"][0]["reason"] == "known bug"
+    applicable = new["summary"]["total"] - new["summary"]["not_applicable"]
+    assert new["summary"]["score"] == pytest.approx((applicable - 1) / applicable)
 
 
 # --- summarize_values -------------------------------------------------------------------------
@@ -337,31 +387,73 @@ def test_gate_required_ids_must_be_present_and_pass():
 
 
 def test_gate_fails_an_expired_waiver():
-    report = set_status(
-        green(),
-        "DP-MEDIA-DEDUP",
-        "waived",
-        waiver={**WAIVER, "expires": "2026-11-01", "expired": True},
-    )
-    only_reason(gate(report, today=TODAY), "waiver for DP-MEDIA-DEDUP expired on 2026-11-01")
+    report = waive(green(), "DP-MEDIA-DEDUP", {"expires": "2026-11-01", "expired": True})
+    only_reason(gate(report, today=TODAY), "waiver #1 of DP-MEDIA-DEDUP expired on 2026-11-01")
 
 
 def test_gate_fails_a_waiver_whose_date_passed_since_the_run():
-    report = set_status(
-        green(), "DP-MEDIA-DEDUP", "waived", waiver={**WAIVER, "expires": "2026-12-01"}
-    )
+    report = waive(green(), "DP-MEDIA-DEDUP", {"expires": "2026-12-01"})
     only_reason(gate(report, today=TODAY), "expired on 2026-12-01")
     assert gate(report, today=dt.date(2026, 11, 30)).ok
 
 
+def test_gate_accepts_waived_and_passed_with_waivers():
+    assert gate(waive(green(), "DP-MEDIA-DEDUP"), today=TODAY).ok
+    assert gate(waive(green(), "DP-MEDIA-DEDUP", all_tests=True), today=TODAY).ok
+
+
 def test_gate_fails_an_unexpected_pass():
-    report = set_status(green(), "DP-MEDIA-DEDUP", "xpass", "", waiver=WAIVER)
-    only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP passed but is waived (xpass)")
+    report = waive(green(), "DP-MEDIA-DEDUP")
+    c = clause(report, "DP-MEDIA-DEDUP")
+    c["tests"][0].update(outcome="xpass", message="covered by DP-MEDIA-DEDUP waiver #1 but "
+                         "passed: remove or narrow the waiver")
+    set_status(report, "DP-MEDIA-DEDUP", "xpass", c["tests"][0]["message"])
+    only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP: a waiver no longer holds (xpass)")
+
+
+def test_gate_fails_an_incomplete_clause():
+    report = set_status(green(), "DP-MEDIA-DEDUP", "incomplete", "partial: 1 of 3 reported")
+    only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP was not fully run (incomplete)")
+
+
+def test_gate_fails_a_run_that_lost_coverage_unless_told():
+    """A backend that stops declaring a capability must not keep a green gate: the baseline
+    tested DP-NO-ALIAS, this run does not."""
+    report = set_status(green(), "DP-NO-ALIAS", "not_applicable",
+                        "backend does not declare ['partitions']", tests=[])
+    only_reason(gate(report, baseline=green(), today=TODAY),
+                "coverage lost: DP-NO-ALIAS was tested in the baseline and is not now")
+    assert gate(report, baseline=green(), today=TODAY,
+                allow_coverage_drop=["DP-NO-ALIAS"]).ok
+    assert gate(report, baseline=green(), today=TODAY, allow_coverage_drop=["all"]).ok
+    report["coverage_drops_allowed"] = [{"clause": "DP-NO-ALIAS", "reason": "dropped on purpose"}]
+    assert gate(report, baseline=green(), today=TODAY).ok
+    # a clause deselected from the run loses coverage as well (the partial run fails anyway)
+    partial = green()
+    partial["clauses"] = [c for c in partial["clauses"] if c["id"] != "DP-NO-ALIAS"]
+    partial["deselected"] = ["DP-NO-ALIAS"]
+    refresh(partial)
+    reasons = gate(partial, baseline=green(), today=TODAY).reasons
+    assert any("coverage lost: DP-NO-ALIAS" in r and "deselected" in r for r in reasons), reasons
 
 
 def test_gate_fails_a_skipped_clause():
     report = set_status(green(), "DP-MEDIA-DEDUP", "skipped", "fixture unavailable")
     only_reason(gate(report, today=TODAY), "DP-MEDIA-DEDUP applies but was skipped")
+
+
+def test_gate_fails_a_kill_matrix_with_a_survivor_or_a_claim_that_did_not_kill():
+    report = green()
+    km = report["kill_matrix"]
+    km["regime"] = {"device": "cuda", "dtype": "bfloat16", "model_size": "production"}
+    km["mutants"][0].update(killed=False, failed=[])
+    only_reason(gate(report, today=TODAY),
+                f"mutant {km['mutants'][0]['name']} survived in the kill matrix (cuda, bfloat16, "
+                "production)")
+    report = green()
+    m = report["kill_matrix"]["mutants"][1]
+    report["kill_matrix"]["claims_not_killed"] = [{"mutant": m["name"], "clause": "DP-X"}]
+    only_reason(gate(report, today=TODAY), f"DP-X claims to kill {m['name']} but did not")
 
 
 def test_gate_fails_run_problems():
@@ -391,10 +483,15 @@ def test_gate_fails_a_test_that_passed_in_the_baseline():
     )
 
 
-def test_gate_a_new_waiver_excuses_a_regression():
-    report = set_status(green(), "DP-ROUNDTRIP", "waived", "known", waiver=WAIVER)
-    clause(report, "DP-ROUNDTRIP")["tests"][0]["outcome"] = "failed"
+def test_gate_a_new_waiver_excuses_a_regression_it_matches_and_no_other():
+    report = waive(green(), "DP-ROUNDTRIP")
     assert gate(report, baseline=green(), today=TODAY).ok
+    other = clause(report, "DP-ROUNDTRIP")["tests"][1]
+    other.update(outcome="failed", message="another failure")
+    set_status(report, "DP-ROUNDTRIP", "failed", "another failure")
+    clause(report, "DP-ROUNDTRIP")["tests"][0].update(outcome="waived")
+    reasons = gate(report, baseline=green(), today=TODAY).reasons
+    assert any(other["nodeid"] in r or "DP-ROUNDTRIP" in r for r in reasons), reasons
 
 
 def test_gate_exit_code_2_for_unusable_input(tmp_path):
@@ -441,16 +538,22 @@ def _edit_metric(report: dict, cid: str, name: str, **stats) -> None:
             "newly failing",
         ),
         (
-            lambda r: set_status(r, "DP-MEDIA-DEDUP", "waived", "known", waiver=WAIVER),
+            lambda r: waive(r, "DP-MEDIA-DEDUP", all_tests=True),
             "newly_waived",
             ("DP-MEDIA-DEDUP", "passed", "waived"),
             "newly waived",
         ),
         (
             lambda r: set_status(r, "DP-NO-ALIAS", "not_applicable", "capability dropped"),
-            "other_status_changes",
+            "coverage_lost",
             ("DP-NO-ALIAS", "passed", "not_applicable"),
-            "other status changes",
+            "coverage lost",
+        ),
+        (
+            lambda r: set_status(r, "DP-NO-ALIAS", "incomplete", "partial"),
+            "newly_failing",
+            ("DP-NO-ALIAS", "passed", "incomplete"),
+            "newly failing",
         ),
         (
             lambda r: r["clauses"].pop(0) and refresh(r),
@@ -478,6 +581,8 @@ def test_diff_clause_categories(edit, field, expect, section):
             "clauses_added",
             "clauses_removed",
             "other_status_changes",
+            "coverage_gained",
+            "coverage_lost",
         )
         if f != field
     ]
@@ -501,15 +606,36 @@ def test_diff_newly_passing_and_added():
     assert "newly passing (1)" in text and "clauses added (1)" in text and "tests fixed" in text
 
 
+def test_diff_coverage_gained_is_not_a_fix():
+    old = set_status(green(), "DP-NO-ALIAS", "not_applicable", "capability not declared")
+    for t in clause(old, "DP-NO-ALIAS")["tests"]:
+        t.update(outcome="not_applicable")
+    result = diff_reports(old, green())
+    assert [(c.id, c.old, c.new) for c in result.coverage_gained] == [
+        ("DP-NO-ALIAS", "not_applicable", "passed")]
+    assert not result.newly_passing
+    assert {t.kind for t in result.test_changes} == {"coverage gained"}
+    text = render_diff(result)
+    assert "coverage gained" in text and "tests fixed" not in text
+
+
+def test_diff_lists_per_family_fixes_and_breaks():
+    old, new = green(), green()
+    for report, fam, outcome in ((old, "qwen2_vl", "failed"), (new, "gemma3", "failed")):
+        c = clause(report, "DP-ROUNDTRIP")
+        c["by_family"] = {"qwen2_vl": {"passed": 1}, "gemma3": {"passed": 1}}
+        c["by_family"][fam] = {outcome: 1}
+    result = diff_reports(old, new)
+    kinds = {(f.clause, f.family): f.kind for f in result.family_changes}
+    assert kinds == {("DP-ROUNDTRIP", "qwen2_vl"): "fixed", ("DP-ROUNDTRIP", "gemma3"): "broke"}
+    text = render_diff(result)
+    assert "per family, fixed (1;" in text and "DP-ROUNDTRIP [qwen2_vl]  0/1 F1 -> 1/1" in text
+
+
 def test_diff_waiver_expired():
-    old = set_status(green(), "DP-MEDIA-DEDUP", "waived", "known", waiver=WAIVER)
-    new = set_status(
-        green(),
-        "DP-MEDIA-DEDUP",
-        "failed",
-        "known",
-        waiver={**WAIVER, "expires": "2026-01-01", "expired": True},
-    )
+    old = waive(green(), "DP-MEDIA-DEDUP", all_tests=True)
+    new = waive(green(), "DP-MEDIA-DEDUP", {"expires": "2026-01-01", "expired": True},
+                all_tests=True)
     result = diff_reports(old, new)
     assert [c.id for c in result.waivers_expired] == ["DP-MEDIA-DEDUP"]
     assert result.regressed and "waivers expired (1)" in render_diff(result)
@@ -659,7 +785,8 @@ def _xss_report() -> dict:
     c["tests"][0]["hypothesis"] = {"example": XSS, "blob": XSS}
     c["metrics"] = {"x<script>": summarize_values([1.0, 2.0])}
     report["problems"] = [XSS]
-    clause(report, "DP-MEDIA-DEDUP")["waiver"]["reason"] = XSS
+    w = clause(report, "DP-MEDIA-DEDUP")["waivers"][0]
+    w.update(reason=XSS, function=XSS, input=XSS, scope={"match": XSS})
     return refresh(report)
 
 
@@ -736,7 +863,10 @@ def _props(case: ET.Element, name: str) -> list[str]:
 def test_junit_has_clause_properties_and_outcomes():
     report = example_report(failing=True)
     set_status(report, "DP-NO-ALIAS", "error", "fixture crashed")
-    set_status(report, "DP-MERGE-PUT", "xpass", "", waiver=WAIVER)
+    merge = clause(report, "DP-MERGE-PUT")
+    merge["tests"][0].update(outcome="xpass", message="covered by waiver #1 but passed")
+    set_status(report, "DP-MERGE-PUT", "xpass", "waiver #1 expects 1 test(s) to fail",
+               waivers=[WAIVER])
     set_status(report, "WIRE-ROUNDTRIP", "skipped", "no fixture")
     report["problems"] = ["waiver for UNKNOWN-ID names no clause"]
     xml = render_junit(report)
@@ -757,6 +887,7 @@ def test_junit_has_clause_properties_and_outcomes():
     assert case("test_trainer::test_field_parity[qwen2_vl]").find("failure") is None
     waived = case("test_transport::test_media_dedup[gemma3]")
     assert waived.find("failure") is None and _props(waived, "waiver")
+    assert waived.find("skipped").get("type") == "waived"
     assert case("test_transport::test_no_alias[qwen2_vl]").find("error") is not None
     assert case("test_transport::test_merge_put[qwen2_vl]").find("failure").get("type") == "xpass"
     assert case("test_codec::test_roundtrip[qwen2_vl]").find("skipped") is not None
@@ -786,7 +917,7 @@ def test_junit_merges_a_test_tied_to_two_clauses_and_survives_control_characters
 
 def _minimal(clauses: list[dict]) -> dict:
     return {
-        "schema_version": "1.0",
+        "schema_version": "2.0",
         "backend": "bare",
         "backend_info": {"name": "bare", "surfaces": ["transport"], "capabilities": []},
         "provenance": {
@@ -812,7 +943,8 @@ def test_a_minimal_report_renders_in_every_format(clauses, tmp_path):
     verdict = gate(report)
     assert verdict.ok is (not clauses)
     if not clauses:
-        assert "**score n/a**" in paths["markdown"].read_text()
+        assert "0 of 0 applicable clauses pass without a waiver (score n/a)" in \
+            paths["markdown"].read_text()
     else:
         assert "DP-X" in paths["html"].read_text()
         (case,) = ET.parse(paths["junit"]).getroot().iter("testcase")
@@ -871,20 +1003,27 @@ def test_flat_distributions_are_not_plotted():
     assert not is_flat({"kind": "series", "steps": [0], "values": []})
 
 
-def test_the_header_says_how_many_clauses_pass_without_a_waiver(tmp_path):
-    """Waived clauses count in the score, so a heavily waived backend scores 100%; the header
-    of every format says how many applicable clauses pass without a waiver."""
+def test_the_headline_is_the_honest_score_with_the_rest_beside_it(tmp_path):
+    """A heavily waived backend does not read 100%: every format leads with the clauses that
+    pass without a waiver over the applicable ones, and names waived and untested beside it."""
     clauses = [{"id": f"DP-{i}", "status": s, "message": "", "tests": []}
-               for i, s in enumerate(["passed", "waived", "waived", "not_applicable"])]
+               for i, s in enumerate(["passed", "waived", "passed_with_waivers",
+                                      "not_applicable"])]
     for c in clauses:
-        if c["status"] == "waived":
-            c["waiver"] = {"clause": c["id"], "category": "backend-bug", "reason": "r",
-                           "expires": "2099-01-01"}
+        if c["status"] in ("waived", "passed_with_waivers"):
+            c["waivers"] = [{**WAIVER}]
     report = _minimal(clauses)
+    report["not_tested"] = [{"kind": "capability", "name": "partitions", "clauses": ["DP-3"],
+                             "why": "no partitions"}]
     paths = write_reports(report, tmp_path)
-    note = "waivers included: 1 of 3 applicable clauses pass without one"
-    assert note in paths["markdown"].read_text()
-    assert note in paths["html"].read_text()
-    clean = _minimal([{"id": "DP-0", "status": "passed", "message": "", "tests": []}])
-    assert "waivers included" not in write_reports(clean, tmp_path / "clean")["markdown"] \
-        .read_text()
+    head = "1 of 3 applicable clauses pass without a waiver (score 33.3%)"
+    beside = "1 passed with waivers, 1 waived"
+    for fmt in ("markdown", "html"):
+        text = paths[fmt].read_text()
+        assert head in text and beside in text, fmt
+        assert "not tested: 1 by a capability not declared" in text
+        assert "100" not in text.split(head)[0][-40:]
+    interrupted = _minimal([{"id": "DP-0", "status": "passed", "message": "", "tests": []}])
+    interrupted["problems"] = ["run interrupted before every selected test reported: 3 of 9"]
+    md = write_reports(interrupted, tmp_path / "int")["markdown"].read_text()
+    assert "score n/a: run incomplete" in md and "100.0%" not in md

@@ -16,8 +16,9 @@ from rlconform.reports.sample import example_report
 
 ROOT = Path(__file__).resolve().parents[1]
 XSS = "<script>alert('pwned')</script>"
-WAIVER = {"category": "unsupported", "reason": "no truncation | in this system",
-          "link": "https://example.invalid/issue/7", "expires": "2099-01-01", "expired": False}
+WAIVER = {"index": 1, "category": "unsupported", "reason": "no truncation | in this system",
+          "function": "sys.truncate", "link": "https://example.invalid/issue/7",
+          "expires": "2099-01-01", "expired": False, "scope": {"match": "truncat"}}
 
 
 def report(backend: str, version: str | None = "Sys 1.0", **statuses) -> dict:
@@ -31,7 +32,11 @@ def report(backend: str, version: str | None = "Sys 1.0", **statuses) -> dict:
     for key, value in statuses.items():
         status, message, waiver = value if isinstance(value, tuple) else (value, "boom", None)
         c = by_id[key.replace("_", "-")]
-        c.update(status=status, message=message, waiver=waiver)
+        c.update(status=status, message=message, waivers=[waiver] if waiver else [])
+        if status in ("waived", "passed_with_waivers"):
+            tests = c["tests"] if status == "waived" else c["tests"][:1]
+            for t in tests:
+                t.update(outcome="waived", message=message, waived_by=[1])
     r["summary"] = summarize_clauses(r["clauses"])
     return r
 
@@ -51,29 +56,36 @@ def row(md: str, clause_id: str) -> list[str]:
 def test_every_status_lands_in_its_backends_column(tmp_path):
     a = report("alpha", DP_ROUNDTRIP="failed", DP_NO_ALIAS="error", DP_MERGE_PUT="skipped",
                WIRE_ROUNDTRIP=("waived", "m", WAIVER),
-               DP_JAGGED_LAYOUT=("xpass", "", dict(WAIVER, category="backend-bug")))
+               BATCH_TRUNCATE_MEDIA=("passed_with_waivers", "m", WAIVER),
+               DP_JAGGED_LAYOUT=("xpass", "waiver #1 matched nothing: remove or narrow it",
+                                 dict(WAIVER, category="backend-bug")))
     b = report("beta", "Other 2.3")
     write(tmp_path / "a", "report.json", a)
     write(tmp_path / "b", "report.json", b)
     board = sb.build(sb.load_entries([tmp_path]))
-    assert [e.backend for e in board.entries] == ["alpha", "beta"]
+    assert [e.backend for e in board.entries] == ["beta", "alpha"], "ordered by score"
     md = sb.render_markdown(board, tmp_path)
-    want = {"DP-ROUNDTRIP": "❌ failed", "DP-NO-ALIAS": "💥 error", "DP-MERGE-PUT": "⏭️ skipped",
-            "WIRE-ROUNDTRIP": "🟡 waived (unsupported)",
-            "DP-JAGGED-LAYOUT": "⚠️ unexpected pass (backend-bug)",
-            "DP-OBJECT-COLUMNS": "➖ not applicable", "TRAIN-RATIO-ONE": "✅ passed"}
+    want = {"DP-ROUNDTRIP": "FAIL", "DP-NO-ALIAS": "ERROR", "DP-MERGE-PUT": "SKIP",
+            "WIRE-ROUNDTRIP": "waived (3/3 tests)",
+            "BATCH-TRUNCATE-MEDIA": "pass+w (1/3 tests)",
+            "DP-JAGGED-LAYOUT": "XPASS",
+            "DP-OBJECT-COLUMNS": "n/a", "TRAIN-RATIO-ONE": "PASS"}
     for cid, label in want.items():
         cells = row(md, cid)
-        assert cells[2].startswith(label), (cid, cells)
-        assert cells[3] in ("✅ passed", "➖ not applicable"), (cid, cells)
-    # the waiver's category is in the cell, its reason, link and expiry in the footnote
-    ref = re.search(r"\[\^(\d+)\]", row(md, "WIRE-ROUNDTRIP")[2]).group(1)
+        n = len(next(c for c in a["clauses"] if c["id"] == cid)["tests"])
+        label = label.replace("3/3", f"{n}/{n}").replace("1/3", f"1/{n}")
+        assert cells[3].startswith(label), (cid, cells)
+        assert cells[2] in ("PASS", "n/a"), (cid, cells)
+    # the waiver's category, reason, function, link and expiry are in the footnote
+    ref = re.search(r"\[\^(\d+)\]", row(md, "WIRE-ROUNDTRIP")[3]).group(1)
     note = next(x for x in md.splitlines() if x.startswith(f"[^{ref}]:"))
-    assert "`alpha` WIRE-ROUNDTRIP: unsupported: no truncation \\| in this system" in note
+    assert "`alpha` WIRE-ROUNDTRIP: #1 unsupported: no truncation \\| in this system" in note
+    assert "[sys.truncate]" in note
     assert "https://example.invalid/issue/7" in note and "expires 2099-01-01" in note
-    xp = re.search(r"\[\^(\d+)\]", row(md, "DP-JAGGED-LAYOUT")[2]).group(1)
-    assert "remove the waiver" in next(x for x in md.splitlines() if x.startswith(f"[^{xp}]:"))
-    fail = re.search(r"\[\^(\d+)\]", row(md, "DP-ROUNDTRIP")[2]).group(1)
+    xp = re.search(r"\[\^(\d+)\]", row(md, "DP-JAGGED-LAYOUT")[3]).group(1)
+    assert "remove or narrow it" in next(x for x in md.splitlines()
+                                         if x.startswith(f"[^{xp}]:"))
+    fail = re.search(r"\[\^(\d+)\]", row(md, "DP-ROUNDTRIP")[3]).group(1)
     assert next(x for x in md.splitlines() if x.startswith(f"[^{fail}]:")).endswith("boom")
 
 
@@ -87,8 +99,10 @@ def test_versions_scores_and_provenance_head_each_column(tmp_path):
     md = sb.render_markdown(board, tmp_path)
     lines = {x.split("|")[1].strip(): x for x in md.splitlines() if x.startswith("| `")}
     assert "| Sys 1.0 |" in lines["`alpha`"] and "| — |" in lines["`beta`"]
-    assert f"| {a['summary']['score']:.1%} |" in lines["`alpha`"]
-    assert "1 failed" in lines["`alpha`"] and "profile ci" in lines["`alpha`"]
+    n_app = a["summary"]["total"] - a["summary"]["not_applicable"]
+    assert f"| {a['summary']['score']:.1%} ({a['summary']['passed']}/{n_app}) | 0 | 0 | 1 |" \
+        in lines["`alpha`"]
+    assert "profile ci" in lines["`alpha`"]
     assert "[alpha-1.0.md](alpha-1.0.md)" in lines["`alpha`"], "links the Markdown beside the JSON"
     assert "[beta.json](beta.json)" in lines["`beta`"]
     page = sb.render_html(board, tmp_path)
@@ -103,7 +117,7 @@ def test_a_clause_an_older_report_lacks_shows_as_absent(tmp_path):
     board = sb.build(sb.load_entries([write(tmp_path, "n.json", new),
                                       write(tmp_path, "o.json", old)]))
     cells = row(sb.render_markdown(board), "WIRE-ROUNDTRIP")
-    assert cells[2] == "✅ passed" and cells[3] == "· absent"
+    assert cells[2] == "PASS" and cells[3] == "absent"
     assert "class='s absent'" in sb.render_html(board)
 
 
@@ -131,7 +145,7 @@ def test_any_number_of_reports(tmp_path):
     write(tmp_path / "ref", "report.json", report("reference"))
     board = sb.build(sb.load_entries([tmp_path]))
     assert [e.backend for e in board.entries] == ["reference"] + [f"b{i}" for i in range(7)], \
-        "the reference (the baseline) leads, then backends by name"
+        "the reference (the baseline) leads, then backends by score, then by name"
     assert len(row(sb.render_markdown(board), "DP-ROUNDTRIP")) == 2 + 8
 
 
@@ -143,7 +157,7 @@ def test_html_escapes_report_text():
 
 @pytest.mark.parametrize("content, words", [
     ("{not json", ["bad.json", "not JSON"]),
-    (json.dumps({"schema_version": "1.0"}), ["bad.json", "invalid report at $", "backend"]),
+    (json.dumps({"schema_version": "2.0"}), ["bad.json", "invalid report at $", "backend"]),
     (json.dumps({"mutants": []}), ["bad.json", "invalid report"]),
 ])
 def test_bad_input_is_named(tmp_path, content, words):
@@ -196,3 +210,40 @@ def test_mutant_reports_in_a_folder_are_left_out_unless_named(tmp_path):
     assert [e.backend for e in sb.load_entries([tmp_path])] == ["reference"]
     assert sorted(e.backend for e in sb.load_entries([tmp_path, path])) == [
         "mutant:densify_uniform_rows", "reference"]
+
+
+def test_a_report_of_another_catalogue_is_marked_stale_and_families_are_shown(tmp_path):
+    from rlconform.conformance.catalogue import fingerprint
+
+    fresh = report("fresh")
+    fresh["provenance"]["catalogue"] = fingerprint()
+    old = report("old")
+    old["provenance"]["catalogue"] = "0000000000000000"
+    for r in (fresh, old):
+        c = next(c for c in r["clauses"] if c["id"] == "DP-ROUNDTRIP")
+        c["by_family"] = {"qwen2_vl": {"passed": 2}, "gemma3": {"passed": 1, "waived": 1}}
+    board = sb.build(sb.load_entries([write(tmp_path, "f.json", fresh),
+                                      write(tmp_path, "o.json", old)]))
+    md = sb.render_markdown(board)
+    lines = {x.split("|")[1].strip(): x for x in md.splitlines() if x.startswith("| `")}
+    assert "stale" in lines["`old`"] and "stale" not in lines["`fresh`"]
+    fam = {x.split("|")[1].strip(): x for x in md.splitlines() if x.startswith("| gemma3")}
+    assert "0/1 (w1)" in fam["gemma3"]
+    assert "Per model family" in sb.render_html(board)
+
+
+def test_committed_reports_are_current():
+    """Every committed report was made under the current clause catalogue (its fingerprint:
+    clause definitions and their tests): a submission that changes clauses regenerates the
+    reports (`nox -s backend_reports`), or CI fails here naming the stale ones."""
+    from rlconform.conformance.catalogue import fingerprint
+
+    current = fingerprint()
+    stale = []
+    for path in sorted((ROOT / "docs" / "backend-reports").glob("*.json")):
+        made = json.loads(path.read_text())["provenance"].get("catalogue")
+        if made != current:
+            stale.append(f"{path.name} (catalogue {made or 'not recorded'})")
+    assert not stale, (f"committed reports made under another clause catalogue than the "
+                       f"current one ({current}): {', '.join(stale)}; regenerate them with "
+                       "`nox -s backend_reports -- NAME ...`")

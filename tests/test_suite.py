@@ -93,41 +93,85 @@ def _waiver_file(tmp_path: Path, body: str) -> Path:
     return p
 
 
-def test_waived_failure_passes_and_is_reported(tmp_path):
-    w = _waiver_file(tmp_path, """
+ALIAS_MESSAGE = "values differ at the bit level"
+
+
+def _clause(report: dict, cid: str) -> dict:
+    return next(c for c in report["clauses"] if c["id"] == cid)
+
+
+def test_a_waiver_waives_the_failure_it_names_and_nothing_else(tmp_path):
+    w = _waiver_file(tmp_path, f"""
         [[waiver]]
         clause = "DP-NO-ALIAS"
         category = "backend-bug"
         reason = "put keeps the caller's tensor"
+        function = "T.put"
+        input = "a batch mutated by the caller after put"
+        tests = ["test_no_aliasing"]
+        match = "{ALIAS_MESSAGE}"
         expires = 2099-01-01
     """)
     code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
                                   "--expectations", str(w))
-    st = statuses(report)
-    assert st["DP-NO-ALIAS"] == "waived", out[-2000:]
-    assert report["clauses"][[c["id"] for c in report["clauses"]].index("DP-NO-ALIAS")][
-        "waiver"]["category"] == "backend-bug"
+    c = _clause(report, "DP-NO-ALIAS")
+    assert c["status"] == "waived", out[-2000:]
+    (waiver,) = c["waivers"]
+    assert (waiver["matched"], waiver["covered"], waiver["function"]) == (1, 1, "T.put")
+    assert ALIAS_MESSAGE in waiver["first_failure"]
+    assert [t["outcome"] for t in c["tests"]] == ["waived"]
     assert code == 0, f"a run whose only failure is waived must pass\n{out[-2000:]}"
+    # the same waiver with a pattern the failure does not match waives nothing
+    w.write_text(w.read_text().replace(ALIAS_MESSAGE, "dtype changed"))
+    code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
+                                  "--expectations", str(w))
+    c = _clause(report, "DP-NO-ALIAS")
+    assert c["status"] == "failed" and c["tests"][0]["failure_kind"] == "assertion", c
+    assert code != 0
 
 
-def test_waived_clause_that_passes_is_xpass_and_fails(tmp_path):
+def test_a_waiver_that_no_longer_holds_is_xpass(tmp_path):
+    """Per test: a test a waiver names (by parameters) that passes is xpass, so a partial
+    upstream fix shows; per waiver: a pattern that matched no failure is xpass."""
     w = _waiver_file(tmp_path, """
+        [[waiver]]
+        clause = "DP-ROUNDTRIP"
+        category = "backend-bug"
+        reason = "thought broken on gemma3"
+        params = { family = ["gemma3"] }
+        expires = 2099-01-01
+
         [[waiver]]
         clause = "DP-TAGS"
         category = "future"
         reason = "thought broken"
+        match = "tags lost"
         expires = 2099-01-01
     """)
-    code, report, out = run_suite(tmp_path, "mutant:aliasing_put", "--surfaces", "transport",
+    code, report, out = run_suite(tmp_path, "reference", "--surfaces", "transport",
                                   "--expectations", str(w))
-    assert statuses(report)["DP-TAGS"] == "xpass"
+    rt, tags = _clause(report, "DP-ROUNDTRIP"), _clause(report, "DP-TAGS")
+    assert rt["status"] == "xpass" and tags["status"] == "xpass", (rt["message"], tags["message"])
+    xpassed = [t for t in rt["tests"] if t["outcome"] == "xpass"]
+    assert xpassed and all(t["params"]["family"] == "gemma3" for t in xpassed)
+    assert all(t["outcome"] == "passed" for t in rt["tests"] if t not in xpassed)
+    assert tags["waivers"][0]["unused"] and "matched no failure" in tags["message"]
     assert code != 0
 
 
 @pytest.mark.parametrize("body, problem", [
-    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nexpires = 2001-01-01', "expired"),
-    ('clause = "NOPE-1"\ncategory = "future"\nreason = "r"\nexpires = 2099-01-01', "NOPE-1"),
-    ('clause = "DP-TAGS"\ncategory = "meh"\nreason = "r"\nexpires = 2099-01-01', "category"),
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nmatch = "x"\n'
+     'expires = 2001-01-01', "expired"),
+    ('clause = "NOPE-1"\ncategory = "future"\nreason = "r"\nmatch = "x"\n'
+     'expires = 2099-01-01', "NOPE-1"),
+    ('clause = "DP-TAGS"\ncategory = "meh"\nreason = "r"\nmatch = "x"\n'
+     'expires = 2099-01-01', "category"),
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nexpires = 2099-01-01',
+     "covers the whole clause"),
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nmatch = "("\n'
+     'expires = 2099-01-01', "not a valid regex"),
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nfamilies = ["x"]\n'
+     'expires = 2099-01-01', "params = { family"),
 ])
 def test_bad_waivers_fail_the_run(tmp_path, body, problem):
     w = _waiver_file(tmp_path, "[[waiver]]\n" + body + "\n")
@@ -135,6 +179,96 @@ def test_bad_waivers_fail_the_run(tmp_path, body, problem):
                                   "--expectations", str(w))
     assert code != 0, out[-2000:]
     assert any(problem in p for p in report["problems"]), report["problems"]
+
+
+TWO_DEFECTS_BACKEND = '''
+import torch
+from rlconform.conformance.backend import Backend
+from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+class TwoDefects(InMemoryDataPlane):
+    """Refuses one-row puts (defect A) and flips a value of two-row gets (defect B)."""
+
+    def put(self, partition, keys, columns, tags=None):
+        if len(keys) == 1:
+            raise RuntimeError("defect A: refuses a one-row put")
+        return super().put(partition, keys, columns, tags)
+
+    def get(self, partition, keys, select_fields):
+        out = super().get(partition, keys, select_fields)
+        cols = out[0] if isinstance(out, tuple) else out
+        if len(keys) == 2 and "input_ids" in cols:
+            c = cols["input_ids"]
+            if c.is_nested:
+                rows = [r.clone() for r in c.unbind()]
+                if rows[0].numel():
+                    rows[0].view(-1)[0] += 1
+                cols["input_ids"] = torch.nested.nested_tensor(rows, layout=torch.jagged)
+            else:
+                c = c.clone()
+                c.view(-1)[0] += 1
+                cols["input_ids"] = c
+        return out
+
+backend = Backend(name="two-defects", transport=TwoDefects, capabilities={"partitions"})
+'''
+
+
+def test_a_waived_example_does_not_stop_the_search(tmp_path):
+    """A property test keeps exploring after an example a waiver matches: the other defect of
+    the same clause is still found (and with both waived, the clause is waived)."""
+    (tmp_path / "two_defects.py").write_text(TWO_DEFECTS_BACKEND)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    w = _waiver_file(tmp_path, """
+        [[waiver]]
+        clause = "DP-ROUNDTRIP"
+        category = "backend-bug"
+        reason = "one-row puts refused"
+        tests = ["test_property_columns_roundtrip"]
+        match = "defect A"
+        expires = 2099-01-01
+    """)
+    args = ("--surfaces", "transport", "-k", "test_property_columns_roundtrip", "--profile",
+            "ci", "--expectations", str(w))
+    code, report, out = run_suite(tmp_path, "two_defects:backend", *args, env=env)
+    (t,) = _clause(report, "DP-ROUNDTRIP")["tests"]
+    assert t["outcome"] == "failed" and "defect A" not in t["message"], t
+    assert "input_ids" in t["message"], t["message"]
+    w.write_text(w.read_text() + textwrap.dedent("""
+        [[waiver]]
+        clause = "DP-ROUNDTRIP"
+        category = "backend-bug"
+        reason = "two-row gets corrupted"
+        tests = ["test_property_columns_roundtrip"]
+        match = "input_ids"
+        expires = 2099-01-01
+    """))
+    code, report, out = run_suite(tmp_path, "two_defects:backend", *args, env=env)
+    c = _clause(report, "DP-ROUNDTRIP")
+    assert c["tests"][0]["outcome"] == "waived", c
+    assert sorted(w["matched"] for w in c["waivers"]) == [1, 1], c["waivers"]
+
+
+UNIMPLEMENTED_BACKEND = '''
+from rlconform.conformance.backend import Backend
+
+class Ops:
+    def __getattr__(self, name):
+        raise NotImplementedError(f"BatchOps.{name} is not wrapped")
+
+backend = Backend(name="half-done", batch_ops=Ops)
+'''
+
+
+def test_a_declared_surface_that_is_not_implemented_is_a_run_error(tmp_path):
+    (tmp_path / "half_done.py").write_text(UNIMPLEMENTED_BACKEND)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, report, out = run_suite(tmp_path, "half_done:backend", "--surfaces", "batch_ops",
+                                  "-k", "truncat", env=env)
+    assert code != 0
+    problems = [p for p in report["problems"] if "NotImplementedError" in p]
+    assert problems and "leave the surface out" in problems[0].lower()
+    assert "notes=" in problems[0]
 
 
 SKIPPING_BACKEND = '''
@@ -292,3 +426,24 @@ def test_a_run_shows_determinism_warnings_and_hides_other_user_warnings(tmp_path
     assert "non-deterministic algorithm" in out.stdout, out.stdout[-2000:]
     assert "does not have a deterministic implementation" in out.stdout, out.stdout[-2000:]
     assert "chatter" not in out.stdout, out.stdout[-2000:]
+
+
+def test_every_capability_gates_a_clause_and_the_readme_table_is_current():
+    from rlconform.conformance.backend import CAPABILITIES
+    from rlconform.conformance.docs import capability_table
+
+    gating = {cap for c in catalogue.CLAUSES for cap in c.capabilities}
+    idle = sorted(set(CAPABILITIES) - gating)
+    assert not idle, f"capabilities that gate no clause (remove them or gate clauses): {idle}"
+    unknown = sorted(gating - set(CAPABILITIES))
+    assert not unknown, f"clauses need capabilities no backend can declare: {unknown}"
+    assert capability_table() in (ROOT / "README.md").read_text(), \
+        "README's capability table is stale: paste rlconform.conformance.docs.capability_table()"
+
+
+def test_a_removed_capability_is_refused_with_the_reason():
+    from rlconform.conformance.backend import Backend
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+    with pytest.raises(ValueError, match="dim1_packing: media packed along dim 1"):
+        Backend(name="old", transport=InMemoryDataPlane, capabilities={"dim1_packing"})

@@ -488,12 +488,6 @@ NOTES = {
                "write (column_io.kv_first_write) is the codec's encode",
     "object_columns": "NoOpDataPlaneClient.put_samples rejects non-tensor leaves ('No pickle on "
                       "the bus'); only the TransferQueue adapter passes NonTensorStack leaves",
-    "media_dedup": "NeMo-RL's PackedTensor shares segments (provenance), but at this version "
-                   "its data plane carries no PackedTensor (kv_first_write keeps only "
-                   "torch.Tensor and object-array values)",
-    "dim1_packing": "NeMo-RL packs SmolVLM tiles with dim_to_pack=1 in memory; its data plane "
-                    "carries no PackedTensor at this version (as media_dedup)",
-    "cuda": "the adapter runs NeMo-RL's CPU data-path functions only",
     "batch_algebra": "not wrapped yet: BatchedDataDict.select_indices / from_batches / slice "
                      "are NeMo-RL's select / concat / split (a later adapter version)",
     "micro_batching": "BatchedDataDict.make_microbatch_iterator takes a micro-batch size that "
@@ -520,7 +514,7 @@ def backend() -> Backend:
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
         batch_ops=NemoRLBatchOps,
-        capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "dp"}),
+        capabilities=frozenset({"partitions", "bfloat16", "dp"}),
         notes=dict(NOTES),
         version=_version(),
     )

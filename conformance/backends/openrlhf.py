@@ -333,7 +333,7 @@ def backend() -> Backend:
                     "concat_experiences / balance_experiences as batch algebra and micro-batches, "
                     "merge_mm_train_inputs as stage inputs",
         batch_ops=OpenRLHFBatchOps,
-        capabilities=frozenset({"cpu", "bfloat16", "batch_algebra", "micro_batching"}),
+        capabilities=frozenset({"bfloat16", "batch_algebra", "micro_batching"}),
         notes=dict(NOTES),
         version=f"OpenRLHF {o.version}",
     )

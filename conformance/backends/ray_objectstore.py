@@ -331,8 +331,7 @@ backend = Backend(
     description="column blocks in Ray's object store (ray.put/ray.get, owned by an index "
     "actor that maps keys to blocks, tags and layouts)",
     transport=RayObjectStoreTransport,
-    capabilities=frozenset({"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup",
-                            "dim1_packing", "multiprocess"}),
+    capabilities=frozenset({"partitions", "bfloat16", "multiprocess"}),
     session=session,
     notes={s: "a transport over Ray's object store: the codec, meta, batch ops, trainer and "
               "rollout around it are the training framework's" for s in

@@ -67,7 +67,7 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
         batch_ops=_batch_ops,
         trainer=_trainer,
         rollout=_rollout,
-        capabilities=frozenset(CAPABILITIES) - {"cuda"},
+        capabilities=frozenset(CAPABILITIES),
     )
     if "transport" in overrides and "capabilities" not in overrides:
         # a replaced transport cannot be reopened by rank processes unless it says so

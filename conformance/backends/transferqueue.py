@@ -39,7 +39,7 @@ from rlconform.conformance.backends import _procs
 
 LAYOUT_TAG = "__rlconform_layout__:"
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_TQ_TIMEOUT_S", "60"))
-CAPABILITIES = {"jagged_columns", "partitions", "bfloat16", "cpu", "media_dedup", "dim1_packing"}
+CAPABILITIES = {"partitions", "bfloat16"}
 _NOT_FOUND = "keys or partition were not found"
 _NOT_READY = "fields are not ready"
 

@@ -689,7 +689,7 @@ def _backend(variant: str) -> Backend:
         description=VARIANTS[variant].description,
         trainer=trainer,
         batch_ops=TRLBatchOps,
-        capabilities=frozenset({"cpu", "micro_batching"}),
+        capabilities=frozenset({"micro_batching"}),
         notes=dict(_NOTES),
         version=package_version("trl", "TRL"),
     )

@@ -35,8 +35,7 @@ from rlconform.conformance.backend import Backend, package_version
 
 MEDIA = "multi_modal_inputs"  # verl's non_tensor_batch key for per-sample media dicts
 SEQ_LEN = "seq_len"  # the tag key verl's driver reads a row's length from (agent_loop_tq)
-CAPABILITIES = {"dp", "bfloat16", "cpu", "media_dedup", "dim1_packing", "batch_algebra",
-                "micro_batching"}
+CAPABILITIES = {"dp", "bfloat16", "batch_algebra", "micro_batching"}
 NOTES = {
     "transport": "verl has no key/value store of its own: its data plane is TransferQueue "
     "(bundled as transferqueue-simple / transferqueue-mooncake)",

@@ -470,9 +470,7 @@ def _version() -> str:
 def backend() -> Backend:
     """The `vllm` backend; raises ImportError saying where vLLM runs when it is absent."""
     vllm = _vllm()
-    from vllm.platforms import current_platform
-
-    caps = {"bfloat16", "cpu" if current_platform.is_cpu() else "cuda"}
+    caps = {"bfloat16"}
     version = _version() or f"vLLM {vllm.__version__}"
     return Backend(
         name="vllm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
@@ -61,3 +62,28 @@ def assert_batch_equal(want: Batch, got: Batch, context: str = "") -> None:
 def keys_for(n: int, prefix: str = "uid") -> list[str]:
     """Per-sample keys as a rollout mints them: `<uid>_g<i>`."""
     return [f"{prefix}{i // 4}_g{i % 4}" for i in range(n)]
+
+
+def expect_stored(read, what: str):
+    """`read()` where the clause says the data must be there: a KeyError (the transport
+    contract's "missing") is then the clause's violation, reported as such, not a crash."""
+    try:
+        return read()
+    except KeyError as exc:
+        pytest.fail(f"{what}: the store says {exc}")
+
+
+# What rejecting valid input looks like: a validator's ValueError or assert, a shape error
+# (RuntimeError, IndexError), a missing key. A TypeError, AttributeError or ImportError is a
+# broken backend (or mutant), not the clause's finding: those stay exceptions.
+REJECTIONS = (ValueError, AssertionError, RuntimeError, IndexError, KeyError)
+
+
+def expect_accepted(call, what: str):
+    """`call()` on input the clause says is valid: a rejection of it (REJECTIONS: a validator
+    refusing an aligned batch, a truncation failing on a valid length) is the clause's
+    violation, reported as such."""
+    try:
+        return call()
+    except REJECTIONS as exc:
+        pytest.fail(f"{what}: {type(exc).__name__}: {exc}")

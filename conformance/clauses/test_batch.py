@@ -20,9 +20,16 @@ from rlconform.fixtures.synthetic import (
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.objects import ObjectColumn, row_difference, value_difference
 from rlconform.reference_impl.packed import PackedTensor
-from rlconform.reference_impl.registry import FIELDS, Kind, Stage, multimodal_fields, spec
+from rlconform.reference_impl.registry import (
+    FAMILIES,
+    FIELDS,
+    Kind,
+    Stage,
+    multimodal_fields,
+    spec,
+)
 
-from ._check import assert_bit_equal
+from ._check import assert_bit_equal, expect_accepted
 
 MEDIA = media_families()
 
@@ -98,8 +105,14 @@ def test_pad_excludes_media(batch_ops, batch, extra):
 @pytest.mark.clause("BATCH-VALIDATE")
 @pytest.mark.parametrize("family", MEDIA)
 def test_validator_exempts_media(batch_ops, family):
-    batch_ops.validate(build_batch(family, default_plan(family)))
-    batch_ops.validate(build_batch(family, [RowPlan(3, images=[2]) for _ in range(4)]))
+    for what, batch in (("default rows", build_batch(family, default_plan(family))),
+                        ("4 rows of 3 tokens, 2 images each",
+                         build_batch(family, [RowPlan(3, images=[2]) for _ in range(4)]))):
+        media = [n for n in FAMILIES[family].packed_fields() if n in batch]
+        assert media, f"{family} fixture ({what}) holds no media field"
+        expect_accepted(lambda b=batch: batch_ops.validate(b),
+                        f"validate rejected an aligned {family} batch ({what}) holding media "
+                        f"{media}")
 
 
 @pytest.mark.clause("BATCH-VALIDATE")

@@ -25,6 +25,7 @@ from rlconform.conformance.catalogue_ranks import (
     RANK_LOSS_ATOL,
     RANK_UPDATE_RTOL,
 )
+from rlconform.fixtures.sizes import PRODUCTION, SIZE_ENV, TINY, model_size
 from rlconform.reference_impl.codec import WireBatch
 from rlconform.reference_impl.grpo import dataplane_step
 from rlconform.reference_impl.packed import PackedTensor
@@ -172,10 +173,28 @@ def rank_runs(backend, request, device, dtype, seed):
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as test_trainer.py: hidden-64 models gain nothing from more
+    size = os.environ.get(SIZE_ENV)
+    if _ranks_share_a_gpu(device):
+        # at production width every rank holds a whole model: two on one GPU do not fit, so
+        # the ranks (they inherit the environment) and their rollouts run the tiny size there
+        # (the RANK clauses judge what crosses processes, not the model's width)
+        os.environ[SIZE_ENV] = TINY
     runs = RankRuns(backend, request.config.getoption("--backend"), device, dtype, seed)
-    yield runs
-    runs.close()
-    torch.set_num_threads(threads)
+    try:
+        yield runs
+    finally:
+        runs.close()
+        torch.set_num_threads(threads)
+        if size is None:
+            os.environ.pop(SIZE_ENV, None)
+        else:
+            os.environ[SIZE_ENV] = size
+
+
+def _ranks_share_a_gpu(device: str) -> bool:
+    """Production width on CUDA with fewer GPUs than the largest world (ranks share one)."""
+    return device.startswith("cuda") and model_size() == PRODUCTION and \
+        torch.cuda.device_count() < max(WORLDS)
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ from rlconform.fixtures.strategies import batches
 from rlconform.fixtures.synthetic import RowPlan, build_batch, default_plan, media_families
 from rlconform.reference_impl.codec import ReferenceCodec, WireBatch, jagged
 
-from ._check import assert_batch_equal, assert_columns_equal, column_difference, keys_for
+from ._check import (
+    assert_batch_equal,
+    assert_columns_equal,
+    column_difference,
+    expect_stored,
+    keys_for,
+)
 
 FAMILIES = media_families()
 
@@ -220,7 +226,8 @@ def test_later_put_merges_columns_and_tags(transport):
     transport.put(part, keys, first, tags)
     rewards = _block(n)
     transport.put(part, keys, {"rewards": rewards}, [{"scored": True}] * n)
-    cols, got = transport.get(part, keys, select_fields=[*first, "rewards"])
+    cols, got = expect_stored(lambda: transport.get(part, keys, select_fields=[*first, "rewards"]),
+                              "a later put of new columns lost the columns put first")
     assert_columns_equal({**first, "rewards": rewards}, cols)
     assert got == [{**t, "scored": True} for t in tags], "merge lost or changed tags"
 
@@ -232,10 +239,13 @@ def test_clear_removes_exactly_what_it_names(transport):
     for p, base in ((a, 0.0), (b, 10.0)):
         transport.put(p, keys, {"rewards": _block(4, base)})
     transport.clear(a, [keys[0], keys[2]])
-    assert sorted(transport.list(a)) == sorted([keys[1], keys[3]])
+    kept = expect_stored(lambda: transport.list(a),
+                         "clear of two keys removed the partition's other keys")
+    assert sorted(kept) == sorted([keys[1], keys[3]])
     with pytest.raises(KeyError):
         transport.get(a, [keys[0]], select_fields=["rewards"])
-    cols, _ = transport.get(b, keys, select_fields=["rewards"])
+    cols, _ = expect_stored(lambda: transport.get(b, keys, select_fields=["rewards"]),
+                            "clear of partition a removed partition b's keys")
     assert torch.equal(cols["rewards"], _block(4, 10.0)), "clear touched partition b"
     transport.clear(a)
     try:

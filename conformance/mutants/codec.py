@@ -218,9 +218,9 @@ def _object_lists():
 def _per_token_dim1():
     class C(ReferenceCodec):
         @staticmethod
-        def _encode_per_token(name, v, lens):
+        def _encode_per_token(name, v, lens, index=None):
             if v.dim() == 2:
-                return ReferenceCodec._encode_per_token(name, v, lens)
+                return ReferenceCodec._encode_per_token(name, v, lens, index)
             rows = [v[i, :n] for i, n in enumerate(lens)]  # dim 1: channels, not positions
             return jagged_from_values(torch.cat(rows), [r.shape[0] for r in rows])
 

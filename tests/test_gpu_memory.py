@@ -1,0 +1,89 @@
+"""The GPU memory plan (conformance/gpu_memory.py): planned peaks, the pre-flight refusal, the
+reservation ledger shared by processes, folding a run's peaks into the plan. No GPU needed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from rlconform.conformance import gpu_memory as gm
+
+PLAN = {"margin": 1.1, "default_gib": 40.0, "families": {
+    "gemma3": {"peak_gib": 80.0, "tests": {"test_legacy_parity": 90.0}},
+    "text": {"peak_gib": 20.0, "tests": {}}}}
+GIB = 2**30
+
+
+def test_planned_peaks_prefer_the_test_then_the_family_then_the_default():
+    assert gm.planned_gib(PLAN, "gemma3", "test_legacy_parity[gemma3]") == pytest.approx(99.0)
+    assert gm.planned_gib(PLAN, "gemma3", "test_other[gemma3]") == pytest.approx(88.0)
+    assert gm.planned_gib(PLAN, "llava", "test_other[llava]") == 40.0
+    assert gm.planned_gib(gm.load_plan(), "smolvlm", "test_x[smolvlm]") > 0
+
+
+def test_preflight_refuses_a_gpu_too_small_for_the_largest_test():
+    why = gm.preflight(PLAN, ["gemma3", "text"], 80 * GIB, "A100-80GB")
+    assert why and "gemma3 needs 99 GiB" in why and "A100-80GB" in why and "text" not in why
+    assert gm.preflight(PLAN, ["gemma3", "text"], 141 * GIB, "H200") is None
+
+
+def _hold(path, budget, gib, seconds, started, log):
+    ledger = gm.Ledger(path, budget)
+    with gm.reservation(ledger, gib, "test") as waited:
+        log.put(("in", gib, time.monotonic(), waited))
+        started.set()
+        time.sleep(seconds)
+    log.put(("out", gib, time.monotonic(), 0.0))
+
+
+def test_reservations_that_do_not_fit_wait_for_each_other(tmp_path):
+    """Two 70 GiB tests on a 100 GiB budget run one after the other, never together; a
+    20 GiB one runs beside either."""
+    ctx = mp.get_context("spawn")
+    path = tmp_path / "ledger.json"
+    log, started = ctx.Queue(), ctx.Event()
+    first = ctx.Process(target=_hold, args=(path, 100.0, 70.0, 6.0, started, log))
+    first.start()
+    assert started.wait(60)
+    events_kept = [ctx.Event(), ctx.Event()]  # referenced until the children have them
+    second = ctx.Process(target=_hold, args=(path, 100.0, 70.0, 0.1, events_kept[0], log))
+    small = ctx.Process(target=_hold, args=(path, 100.0, 20.0, 0.1, events_kept[1], log))
+    second.start()
+    small.start()
+    for p in (first, second, small):
+        p.join(60)
+        assert p.exitcode == 0
+    events = [log.get(timeout=5) for _ in range(6)]
+    first_out = next(t for kind, gib, t, _ in events if kind == "out" and gib == 70.0)
+    second_in = max(t for kind, gib, t, _ in events if kind == "in" and gib == 70.0)
+    assert second_in >= first_out, "the second 70 GiB test started before the first ended"
+    small_in = next(t for kind, gib, t, _ in events if kind == "in" and gib == 20.0)
+    assert small_in < first_out, "the 20 GiB test waited although it fit"
+    assert gm.Ledger(path, 100.0).held() == {}
+
+
+def test_a_dead_process_reservation_is_dropped_and_the_largest_test_runs_alone(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text('{"999999999": 90.0}')
+    ledger = gm.Ledger(path, 100.0)
+    assert ledger.try_reserve(95.0), "a dead process's reservation must not block"
+    ledger.release()
+    assert ledger.try_reserve(150.0), "a test larger than the budget runs when alone"
+    ledger.release()
+
+
+def test_a_run_folds_into_the_plan():
+    report = {"clauses": [{"tests": [
+        {"nodeid": "test_trainer.py::test_legacy_parity[gemma3]", "params": {"family": "gemma3"},
+         "gpu_peak_gib": 95.3},
+        {"nodeid": "test_trainer.py::test_new[text]", "params": {"family": "text"},
+         "gpu_peak_gib": 12.0},
+        {"nodeid": "test_transport.py::test_x", "params": {}}]}]}
+    plan = gm.fold_report(PLAN, report)
+    assert plan["families"]["gemma3"]["tests"]["test_legacy_parity"] == 95.3
+    assert plan["families"]["gemma3"]["peak_gib"] == 95.3
+    assert plan["families"]["text"]["tests"]["test_new"] == 12.0
+    assert plan["families"]["text"]["peak_gib"] == 20.0
+    assert PLAN["families"]["gemma3"]["tests"]["test_legacy_parity"] == 90.0, "input unchanged"
