@@ -90,8 +90,11 @@ def shift_prev(name, col, by=0.25):
 def test_both_variants_are_bundled_with_their_requirement_and_notes():
     for name in (DEFAULT, INDEPENDENT):
         b = load_backend(name)
-        assert b.name == name and b.surfaces == ("batch_ops", "trainer")
-        assert b.capabilities == {"micro_batching"}
+        assert b.name == name and b.surfaces == ("trainer",)
+        assert b.capabilities == frozenset()
+        assert "_prepare_inputs" in b.notes["batch_ops"]
+        assert set(b.trainer.settings_unsupported) == {"max_seq_len",
+                                                       "max_tokens_per_micro_batch"}
         assert requirements(name) == ("trl==1.16.0",)
         assert "logprobs" in b.notes["rollout"], "the backend must say why it has no rollout"
         assert b.describe()["notes"] == b.notes
@@ -109,7 +112,7 @@ def test_micro_batch_size_is_the_largest_divisor_not_above_the_setting():
 @pytest.mark.parametrize("field,value", [("max_seq_len", 10), ("max_tokens_per_micro_batch", 64)])
 def test_settings_trl_has_no_counterpart_for_raise_naming_them(field, value):
     settings = TrainerSettings("text", **{field: value})
-    with pytest.raises(NotImplementedError, match=field):
+    with pytest.raises(ValueError, match=field):
         load_backend(DEFAULT).trainer(settings)
 
 

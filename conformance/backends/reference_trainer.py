@@ -20,7 +20,10 @@ attribute `loss_options(config) -> dict`: the backend's own options for that poi
 user of the framework would set), or `NotImplementedError` saying why the framework has none.
 A factory without it declares the default point only. The numerics clauses run every grid
 point a backend declares and report the others as not applicable, naming the reason. The
-reference implements every point.
+reference implements every point. Likewise `settings_unsupported: dict[str, str]` names the
+TrainerSettings fields the framework has no counterpart for (field -> why): the clauses that
+need one are not applicable there (TRAIN-TRUNCATION-MEDIA), or leave out the cuts that need it
+and judge the others (TRAIN-SPLIT-INVARIANCE's token-budget splits).
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ steps_per_generation`). TRL needs the generation batch to be a multiple of the m
 size; where it is not, the micro-batch size is the largest divisor of the shard's rows that is
 <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the global RNG; the adapter seeds
 it per (step, shard) from `seed` inside a forked RNG, so both trainer paths shuffle alike.
-Settings TRL has no counterpart for (`max_seq_len`, `max_tokens_per_micro_batch`) raise.
+Settings TRL has no counterpart for (`max_seq_len`, `max_tokens_per_micro_batch`) are declared
+as such (`SETTINGS_UNSUPPORTED`, the trainer factory's `settings_unsupported`) and raise
+ValueError naming the field if given anyway.
 
 The policy is built from the family's config, saved with its processor, and reloaded from that
 folder, because with `beta > 0` TRL reloads the reference model from `config._name_or_path`.
@@ -80,8 +82,24 @@ _NOTES = {
                  "transport.",
     "codec": "TRL has no wire format: its batches are in-memory dicts of tensors.",
     "meta": "TRL has no driver-side batch metadata: one process holds the whole batch.",
-    "batch_algebra": "TRL has no select / concat / split of whole batches; its only batch "
-                     "operation is the micro-batch split and shuffle (micro_batching).",
+    "batch_ops": "TRL's only operation on a built batch is GRPOTrainer._prepare_inputs' split "
+                 "into micro-batches (split_pixel_values_by_grid, shuffle_sequence_dict, "
+                 "split_tensor_dict), which the trainer surface runs inside each step; it has "
+                 "no truncation, re-padding, validator or per-stage input selection of a built "
+                 "batch (prompts and completions are padded once, at generation, by "
+                 "trl.trainer.utils.pad), so the batch_ops surface is left out. Its "
+                 "micro-batch split is checked on its own (tests/test_backends_trl.py: rows "
+                 "stay whole on image batches, D2 on Idefics3 / SmolVLM).",
+}
+# TrainerSettings fields GRPOConfig has no option for (the trainer factory's
+# `settings_unsupported`: clauses that need them are not applicable, with this reason)
+SETTINGS_UNSUPPORTED = {
+    "max_seq_len": f"TRL {TRL_VERSION}'s GRPOTrainer does not truncate sequences at train time "
+                   "(GRPOConfig has max_prompt_length / max_completion_length for generation "
+                   "only)",
+    "max_tokens_per_micro_batch": f"TRL {TRL_VERSION}'s GRPOTrainer splits a generation batch "
+                                  "into micro-batches of per_device_train_batch_size rows; "
+                                  "GRPOConfig has no token budget",
 }
 
 
@@ -270,12 +288,10 @@ class TRLCore:
     def __init__(self, settings, variant: Variant, model=None):
         import torch
 
-        for name in ("max_seq_len", "max_tokens_per_micro_batch"):
+        for name, why in SETTINGS_UNSUPPORTED.items():
             if getattr(settings, name, None) is not None:
-                raise NotImplementedError(
-                    f"TRL {TRL_VERSION}'s GRPOTrainer has no counterpart for setting {name!r}: "
-                    "it neither truncates sequences at train time nor packs micro-batches by a "
-                    "token budget (GRPOConfig has no such option)")
+                raise ValueError(f"TrainerSettings.{name} = {getattr(settings, name)!r} has no "
+                                 f"TRL counterpart: {why}")
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
@@ -801,13 +817,12 @@ def _backend(variant: str) -> Backend:
         return trl_options(config, VARIANTS[variant])
 
     trainer.loss_options = loss_options
+    trainer.settings_unsupported = dict(SETTINGS_UNSUPPORTED)
 
     return Backend(
         name=variant,
         description=VARIANTS[variant].description,
         trainer=trainer,
-        batch_ops=TRLBatchOps,
-        capabilities=frozenset({"micro_batching"}),
         notes=dict(_NOTES),
         version=package_version("trl", "TRL"),
     )
