@@ -43,8 +43,11 @@ def _backend(dataplane_cls: type):
     return build(trainer=make_trainer)
 
 
-def _shared_backend(core_cls: type):
-    """A defect in the algorithm both paths share: the legacy trainer carries it too."""
+def _shared_backend(core_cls: type, axis=None):
+    """A defect in the algorithm both paths share: the legacy trainer carries it too. `axis`
+    (LossConfig -> bool): the configuration axis the defect lives in; the mutant then declares
+    only the grid points on that axis (the others cannot show it: tests/test_grpo_configs.py),
+    so a kill matrix runs its axis's cases and not the whole grid."""
 
     class _Legacy(LegacyTrainer):
         pass
@@ -65,8 +68,18 @@ def _shared_backend(core_cls: type):
 
     from rlconform.conformance.backends.reference import build
 
-    make_trainer.loss_options = loss_options
+    make_trainer.loss_options = loss_options if axis is None else _on_axis(axis)
     return build(trainer=make_trainer)
+
+
+def _on_axis(axis):
+    def options(config):
+        if not axis(config):
+            raise NotImplementedError("this mutant's defect lives on another configuration "
+                                      "axis: the point cannot show it")
+        return loss_options(config)
+
+    return options
 
 
 # -- forced on-policy ratio ---------------------------------------------------------------
@@ -339,13 +352,17 @@ def logprob_detached_normalizer():
 # -- the GRPO configuration axes: each defect lives in one option of the objective family
 # (reference_impl.loss.LossConfig), so the default point cannot see it and only the grid points
 # of that axis can (tests/test_grpo_configs.py checks that no other point does) ------------
-def _objective_backend(objective_cls: type):
+def _objective_backend(objective_cls: type, axis):
     """The reference whose objective has one part replaced (both trainer paths share it)."""
 
     class _Core(GRPOCore):
         objective = objective_cls()
 
-    return _shared_backend(_Core)
+    return _shared_backend(_Core, axis)
+
+
+def _aggregation(config) -> bool:
+    return config.aggregation != "token-mean"
 
 
 class _SwappedBounds(Objective):
@@ -357,7 +374,7 @@ class _SwappedBounds(Objective):
         "clipped to [1 - clip_high, 1 + clip_low], so clip-higher lowers the upper bound "
         "instead of raising it; identical at a symmetric clip", "trainer")
 def clip_bounds_swapped():
-    return _objective_backend(_SwappedBounds)
+    return _objective_backend(_SwappedBounds, lambda c: c.clip_low != c.clip_high)
 
 
 class _DualClipBothSigns(Objective):
@@ -372,7 +389,7 @@ class _DualClipBothSigns(Objective):
         "every token, not only to negative advantages: each positive-advantage token's loss "
         "becomes -c A, a constant without gradient", "trainer")
 def dual_clip_on_positive_advantages():
-    return _objective_backend(_DualClipBothSigns)
+    return _objective_backend(_DualClipBothSigns, lambda c: c.dual_clip is not None)
 
 
 class _SequenceProduct(Objective):
@@ -387,7 +404,7 @@ class _SequenceProduct(Objective):
         "token ratios (exp of the summed log-ratio) instead of their geometric mean: long rows "
         "clip at once", "trainer")
 def sequence_ratio_product():
-    return _objective_backend(_SequenceProduct)
+    return _objective_backend(_SequenceProduct, lambda c: c.ratio_level == "sequence")
 
 
 class _AlwaysK3(Objective):
@@ -398,7 +415,7 @@ class _AlwaysK3(Objective):
 @mutant("kl_estimator_ignored", "the configured KL estimator ignored: k3 whatever k1 or k2 was "
         "asked for (one KL function shared by every configuration)", "trainer")
 def kl_estimator_ignored():
-    return _objective_backend(_AlwaysK3)
+    return _objective_backend(_AlwaysK3, lambda c: c.kl_coef > 0)
 
 
 class _ReversedK3(Objective):
@@ -412,7 +429,7 @@ class _ReversedK3(Objective):
         "logp - ref): it estimates KL(ref || policy) from the policy's samples, biased, and "
         "pushes the other way", "trainer")
 def kl_k3_reversed():
-    return _objective_backend(_ReversedK3)
+    return _objective_backend(_ReversedK3, lambda c: c.kl_coef > 0)
 
 
 class _DetachedKLWeight(Objective):
@@ -424,7 +441,7 @@ class _DetachedKLWeight(Objective):
         "estimator, TRL use_bias_correction_kl) detached: the value is right, the gradient "
         "misses the estimate times the ratio's own gradient", "trainer")
 def kl_ratio_weight_detached():
-    return _objective_backend(_DetachedKLWeight)
+    return _objective_backend(_DetachedKLWeight, lambda c: c.kl_coef > 0)
 
 
 class _NonEmptyRowsCore(GRPOCore):
@@ -443,7 +460,7 @@ class _NonEmptyRowsCore(GRPOCore):
         "convention, not the declared point's): every other row weighs B / (B - empty) too "
         "much", "trainer")
 def seq_mean_excludes_empty_rows():
-    return _shared_backend(_NonEmptyRowsCore)
+    return _shared_backend(_NonEmptyRowsCore, _aggregation)
 
 
 class _PaddedWidth(Objective):
@@ -459,7 +476,7 @@ class _PaddedWidth(Objective):
         "loss_mask.shape[-1]) instead of the configured constant: the weight of a token "
         "depends on its neighbours' lengths and on the split", "trainer")
 def constant_normalizer_from_padded_width():
-    return _objective_backend(_PaddedWidth)
+    return _objective_backend(_PaddedWidth, _aggregation)
 
 
 class _MicroBatchRowsCore(GRPOCore):
@@ -479,7 +496,7 @@ class _MicroBatchRowsCore(GRPOCore):
         "micro-batch and then over micro-batches: right only when every micro-batch (and "
         "rank) holds as many rows", "trainer")
 def seq_mean_per_micro_batch():
-    return _shared_backend(_MicroBatchRowsCore)
+    return _shared_backend(_MicroBatchRowsCore, _aggregation)
 
 
 class _CapOnRatio(Objective):
@@ -495,7 +512,7 @@ class _CapOnRatio(Objective):
         "policy's ratio exp(logp - prev) instead of the engine-mismatch weight exp(prev - gen), "
         "which then weighs its token uncapped", "trainer")
 def is_cap_on_policy_ratio():
-    return _objective_backend(_CapOnRatio)
+    return _objective_backend(_CapOnRatio, lambda c: c.is_cap is not None)
 
 
 class _EntropyEverywhere(Objective):
@@ -506,7 +523,7 @@ class _EntropyEverywhere(Objective):
 @mutant("entropy_unmasked", "the entropy bonus summed over every attended position (prompt "
         "included) instead of the loss tokens", "trainer")
 def entropy_unmasked():
-    return _objective_backend(_EntropyEverywhere)
+    return _objective_backend(_EntropyEverywhere, lambda c: c.entropy_coef > 0)
 
 
 class _NoClipCore(GRPOCore):
@@ -519,7 +536,7 @@ class _NoClipCore(GRPOCore):
 @mutant("grad_clip_not_applied", "gradient-norm clipping computed and logged but not applied: "
         "the optimizer steps on the unclipped gradient", "trainer")
 def grad_clip_not_applied():
-    return _shared_backend(_NoClipCore)
+    return _shared_backend(_NoClipCore, lambda c: c.max_grad_norm is not None)
 
 
 class _RefreshedOldCore(GRPOCore):
@@ -533,7 +550,7 @@ class _RefreshedOldCore(GRPOCore):
         "before every optimizer step of a batch (epochs, mini-batches): each step is on-policy, "
         "the ratio stays 1 and the clip never acts", "trainer")
 def old_logprobs_refreshed_per_step():
-    return _shared_backend(_RefreshedOldCore)
+    return _shared_backend(_RefreshedOldCore, lambda c: c.optimizer_steps > 1)
 
 
 class _WholeBatchNormCore(GRPOCore):
@@ -551,4 +568,4 @@ class _WholeBatchNormCore(GRPOCore):
         "token count of the whole generation batch instead of its own: every optimizer step's "
         "loss and gradient shrunk by its share of the tokens", "trainer")
 def mini_batch_normalized_by_whole_batch():
-    return _shared_backend(_WholeBatchNormCore)
+    return _shared_backend(_WholeBatchNormCore, lambda c: c.optimizer_steps > 1)
