@@ -144,6 +144,8 @@ def fold_report(plan: dict, report: dict) -> dict:
     new per family and test function)."""
     out = json.loads(json.dumps(plan))
     for clause in report["clauses"]:
+        if clause.get("surface") not in ("trainer", "rollout"):
+            continue  # only model tests reserve memory
         for t in clause["tests"]:
             peak = t.get("gpu_peak_gib")
             family = (t.get("params") or {}).get("family")

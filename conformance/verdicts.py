@@ -98,13 +98,40 @@ def raised_where(exc: BaseException) -> str:
     return f"{Path(f.filename).name}:{f.lineno} in {f.name}"
 
 
+# Where an adapter's own code lives (rlconform's package, and the module an out-of-tree backend
+# was loaded from: `set_adapter_source`). A NotImplementedError raised there is a stub of a
+# declared surface; one raised inside the system under test is that system's answer to the
+# input (a result the clause judges, waivable like any failure).
+_ADAPTER_FILES: set[str] = {str(RLCONFORM_DIR)}
+
+
+def set_adapter_source(source: str) -> None:
+    """Record the file of the backend's `module:attr` source as adapter code."""
+    import importlib.util
+
+    module = source.partition(":")[0]
+    if not module or module.startswith("mutant"):
+        return
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return
+    if spec is not None and spec.origin:
+        _ADAPTER_FILES.add(str(Path(spec.origin).resolve()))
+
+
+def _raised_in_adapter(exc: BaseException) -> bool:
+    files = _frames(exc.__traceback__)
+    return bool(files) and files[-1].startswith(tuple(_ADAPTER_FILES))
+
+
 def unimplemented(exc: BaseException) -> BaseException | None:
-    """The NotImplementedError at the root of `exc`, if any (a declared surface that is not
-    implemented: a run error, not a clause result)."""
+    """The NotImplementedError at the root of `exc` raised by adapter code, if any (a declared
+    surface that is not implemented: a run error, not a clause result)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, NotImplementedError):
+        if isinstance(exc, NotImplementedError) and _raised_in_adapter(exc):
             return exc
         if isinstance(exc, BaseExceptionGroup):
             for e in exc.exceptions:

@@ -75,15 +75,19 @@ def test_a_dead_process_reservation_is_dropped_and_the_largest_test_runs_alone(t
 
 
 def test_a_run_folds_into_the_plan():
-    report = {"clauses": [{"tests": [
+    report = {"clauses": [{"surface": "trainer", "tests": [
         {"nodeid": "test_trainer.py::test_legacy_parity[gemma3]", "params": {"family": "gemma3"},
          "gpu_peak_gib": 95.3},
         {"nodeid": "test_trainer.py::test_new[text]", "params": {"family": "text"},
          "gpu_peak_gib": 12.0},
-        {"nodeid": "test_transport.py::test_x", "params": {}}]}]}
+        {"nodeid": "test_transport.py::test_x", "params": {}}]},
+        {"surface": "transport", "tests": [
+            {"nodeid": "test_transport.py::test_y[llava]", "params": {"family": "llava"},
+             "gpu_peak_gib": 0.08}]}]}
     plan = gm.fold_report(PLAN, report)
     assert plan["families"]["gemma3"]["tests"]["test_legacy_parity"] == 95.3
     assert plan["families"]["gemma3"]["peak_gib"] == 95.3
     assert plan["families"]["text"]["tests"]["test_new"] == 12.0
     assert plan["families"]["text"]["peak_gib"] == 20.0
+    assert "llava" not in plan["families"], "data-plane tests reserve nothing"
     assert PLAN["families"]["gemma3"]["tests"]["test_legacy_parity"] == 90.0, "input unchanged"

@@ -447,3 +447,28 @@ def test_a_removed_capability_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="dim1_packing: media packed along dim 1"):
         Backend(name="old", transport=InMemoryDataPlane, capabilities={"dim1_packing"})
+
+
+def test_a_not_implemented_answer_of_the_system_is_a_result_not_a_stub(tmp_path):
+    """NotImplementedError raised inside the system under test (here a module outside the
+    adapter) is that system's answer to the input: the clause fails (waivable), no run error."""
+    (tmp_path / "the_system.py").write_text(
+        "def truncate(batch, n):\n    raise NotImplementedError('truncation of packed media')\n")
+    (tmp_path / "system_adapter.py").write_text(textwrap.dedent('''
+        import the_system
+        from rlconform.conformance.backend import Backend
+        from rlconform.reference_impl.batch import BatchOps
+
+        class Ops(BatchOps):
+            def truncate(self, batch, n):
+                return the_system.truncate(batch, n)
+
+        backend = Backend(name="system", batch_ops=Ops)
+    '''))
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, report, out = run_suite(tmp_path, "system_adapter:backend", "--surfaces", "batch_ops",
+                                  "-k", "truncat", env=env)
+    assert code != 0
+    assert not [p for p in report["problems"] if "NotImplementedError" in p], report["problems"]
+    failed = [t for c in report["clauses"] for t in c["tests"] if t["outcome"] == "failed"]
+    assert failed and any("truncation of packed media" in t["message"] for t in failed)

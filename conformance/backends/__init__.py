@@ -28,8 +28,10 @@ BUNDLED = {
         (NO_DEPS + "verl==0.9.1", "tensordict==0.10.0", "TransferQueue==0.1.11", "ray",
          "omegaconf", "numpy", "packaging"),
     ),
-    # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC
-    "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend", ("tensordict", "datasets")),
+    # NeMo-RL itself is not on the registry: its checkout must be on PYTHONPATH or NEMO_RL_SRC;
+    # its data path imports these beyond rlconform's own (nemo_rl.REQUIREMENTS says which module)
+    "nemo-rl": ("rlconform.conformance.backends.nemo_rl:backend",
+                ("tensordict", "datasets", "requests")),
     # OpenRLHF's full dependency list pins deepspeed and flash-attn (GPU builds); its data path
     # (ppo_utils.experience, utils.vlm_utils) needs only pylatexenc beyond rlconform's own
     "openrlhf": ("rlconform.conformance.backends.openrlhf:backend",

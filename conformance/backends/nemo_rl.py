@@ -1,44 +1,66 @@
-"""NeMo-RL (github.com/NVIDIA-NeMo/RL) as an rlconform backend: its own data-path functions.
+"""NeMo-RL (github.com/NVIDIA-NeMo/RL) as an rlconform backend: its own data path, version by version.
 
 NeMo-RL is not on the package registry; this adapter imports `nemo_rl` from whatever is
-installed or on PYTHONPATH (or from `$NEMO_RL_SRC`, a checkout, which it puts on sys.path).
-Nothing of NeMo-RL is copied here: every surface calls NeMo-RL's functions and hands back what
-they return, converted between rlconform's and NeMo-RL's types without repair.
+installed or on PYTHONPATH, or from `$NEMO_RL_SRC` (a checkout or a `git archive` export, which
+it puts on sys.path). Nothing of NeMo-RL is copied here.
 
-Surfaces (paths in the NeMo-RL tree):
-- transport -> `nemo_rl/data_plane/adapters/noop.py` `NoOpDataPlaneClient` (NeMo-RL's in-memory
-  `DataPlaneClient`): put -> `register_partition` (once per partition, as
-  `TQPolicy.prepare_step` does) + `put_samples(keys, partition, TensorDict(columns), tags)`;
-  get -> `get_samples(keys, partition, select_fields)`; clear -> `clear_samples`. The client
-  API returns no tags from a read and lists no keys: tags travel on the `KVBatchMeta` receipts
-  that `put_samples` returns (merged per key in put order, as its stores merge them), and
-  `list` asks `get_samples(select_fields=[])` key by key for the keys this transport put.
-- codec -> the rollout write and the worker read: encode = `BatchedDataDict` (media as NeMo-RL
-  `PackedTensor`s) -> `get_multimodal_dict(pixel_dtype=...)` when a policy dtype is set ->
-  `column_io.kv_first_write` (-> `codec.pack_jagged_fields`), whose `TensorDict` and tags are
-  the wire batch; decode = `codec.materialize(TensorDict(columns))`.
+What a NeMo-RL caller holds, and where it enters: the rollout produces one message log per
+sample (`{"token_ids": ..., <per-token maps>, <media key>: PackedTensor(<the processor's tensor
+for that sample>)}`, as `data/multimodal_utils.py` `extract_multimodal_model_inputs` wraps a
+processor's output); everything after that is NeMo-RL's code:
+- the flatten, `data/llm_message_utils.py` `batched_message_log_to_flat_message` (which builds
+  the batch's `PackedTensor`s by `PackedTensor.flattened_concat` and `empty_rows_like`);
+- the rollout write of `experience/sync_rollout_actor.py` `SyncRolloutActor.rollout_to_tq`:
+  `flat.get_multimodal_dict(as_tensors=False, ...)` and the version's media step (below), then
+  `data_plane/column_io.py` `kv_first_write` (-> `codec.pack_jagged_fields`, `put_samples`);
+  the columns the workers and the driver add later go through `column_io.write_columns`;
+- the worker read: `column_io.read_columns` (`get_samples` -> `codec.materialize`, padded to the
+  meta's `GLOBAL_FORWARD_PAD_SEQLEN`), then `BatchedDataDict.get_multimodal_dict(as_tensors=True)`
+  as the policy workers build their model inputs;
+- the policy's stage fetch lists (`models/policy/tq_policy.py` `TQPolicy._logprob_dispatch`,
+  `train_from_meta`): `schema.LP_SEED_FIELDS` / `DP_TRAIN_FIELDS` through
+  `schema.fields_with_optional_routed_experts`, plus `_present_multimodal_fields(meta)` where the
+  version has it.
+
+`rollout_to_tq` itself cannot be called: it is a Ray actor method that first runs generation and
+the environments (vLLM, reward workers) and only then assembles its bulk batch inline. The
+adapter therefore reads which media step that method takes from its source (`ast`, never by
+commit) and takes exactly that step, with NeMo-RL's own functions:
+- "wire encoder" (the head of PR #2957): every multimodal value of
+  `get_multimodal_dict(as_tensors=False, pixel_dtype=<policy dtype>)` goes through
+  `multimodal_utils.encode_multimodal_for_wire` (`PackedTensor.to_nested_wire`: a jagged column
+  plus a `<key>__lengths` companion); the worker read rebuilds `PackedTensor`s in
+  `get_multimodal_dict` (`PackedTensor.from_nested_wire`).
+- "tensor filter" (main at 7ea279a): only values of `get_multimodal_dict(as_tensors=False)` that
+  are `torch.Tensor`s are written (`PackedTensor` media are not).
+The stage fetch lists are found the same way: `_present_multimodal_fields` is run from
+`tq_policy.py` itself (its definition and the registries it reads, compiled from that file), since
+importing that module pulls the GPU policy stack (vLLM worker, pynvml, Ray actors).
+
+Surfaces:
+- transport -> `data_plane/adapters/noop.py` `NoOpDataPlaneClient` (`register_partition` once per
+  partition as `TQPolicy.prepare_step` does, `put_samples`, `get_samples`, `clear_samples`); its
+  API returns no tags from a read and lists no keys, so get's tags are those of the `KVBatchMeta`
+  receipts `put_samples` returned and `list` asks `get_samples(select_fields=[])` key by key.
+- codec -> encode: the rollout write above into a NoOp client that keeps what each `put_samples`
+  received (the wire); decode: the worker read of those columns (`materialize`, then
+  `get_multimodal_dict(as_tensors=False)` for the media).
 - meta -> `interfaces.KVBatchMeta` (`subset`, `slice`, `concat`, `with_fields`, `stamp_tags`;
-  a field drop is `dataclasses.replace(meta, fields=...)`, how `TQPolicy` narrows a meta)
-  and `preshard.shard_meta_for_dp` for DP shards.
-- batch_ops -> the worker's batch as NeMo-RL holds it in memory (`BatchedDataDict`, media as
-  `PackedTensor`): truncate -> `BatchedDataDict.truncate_tensors(dim=1, ...)` (what its
-  dynamic-shape micro-batch iterator does); pad_to -> the data plane's forward pad,
-  `pack_jagged_fields` then `materialize(pad_to_seqlen=...)`; validate ->
-  `nemo_rl/models/automodel/data.py` `check_sequence_dim`; multimodal_inputs -> the stage's
-  fetch list (`schema.LP_SEED_FIELDS` for the logprob and reference-logprob passes,
-  `schema.DP_TRAIN_FIELDS` for train, through `fields_with_optional_routed_experts` as
-  `TQPolicy` does) then `get_multimodal_dict(as_tensors=True, pixel_dtype=...)`.
+  a field drop is `dataclasses.replace(meta, fields=...)`, how `TQPolicy` narrows a meta) and
+  `preshard.shard_meta_for_dp`.
+- batch_ops -> the worker's batch as the data plane delivers it (rollout write, then
+  `read_columns` of every written field): truncate -> `BatchedDataDict.truncate_tensors(dim=1)`;
+  pad_to -> `read_columns` with the meta stamped `GLOBAL_FORWARD_PAD_SEQLEN` (the forward pad,
+  `materialize(pad_to_seqlen=...)`); validate -> `models/automodel/data.py` `check_sequence_dim`;
+  multimodal_inputs -> the stage's fetch list, `read_columns`, `get_multimodal_dict(as_tensors=True)`.
 
-Type mapping: an rlconform `PackedTensor` becomes a NeMo-RL `PackedTensor` with deduplication
-enabled (one physical segment per rlconform segment, logical rows by `merge_segments`, a None row
-as `empty_rows_like`, joined by `concat`, which re-interns shared segments), so shared media stay
-shared; pack_dim 1 (SmolVLM/Idefics3 tiles) becomes NeMo-RL's `dim_to_pack=1` with a leading
-unit dim on each segment, as its processors emit them. The way back reads
-`iter_logical_segments()` row by row. A row with no segment is None in both.
+Type mapping on the way back: a NeMo-RL `PackedTensor` becomes an rlconform one row by row
+(`iter_logical_segments()`, a leading unit dim dropped for `dim_to_pack=1`), a None row None.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import importlib
@@ -54,41 +76,161 @@ from rlconform.conformance.backend import Backend
 
 MISSING = ("nemo-rl: cannot import nemo_rl: put a NeMo-RL checkout on PYTHONPATH "
            "(PYTHONPATH=/path/to/RL, or NEMO_RL_SRC=/path/to/RL) or pip install -e it")
-# The data-plane modules need these beyond rlconform's own dependencies (column_io imports
-# nemo_rl.data.llm_message_utils, which imports `datasets`).
-REQUIREMENTS = ("tensordict", "datasets")
-# rlconform's own column, added because kv_first_write takes the batch size from it; dropped again
-# on decode
+# What NeMo-RL's data path imports beyond rlconform's own dependencies (torch, transformers,
+# numpy, pillow), measured by tracing the imports of the modules below: data_plane needs
+# tensordict, data/llm_message_utils imports `datasets`, data/multimodal_utils imports `requests`.
+REQUIREMENTS = ("tensordict", "datasets", "requests")
+# the distribution that provides an importable top-level name, where the two differ
+_DIST = {"PIL": "pillow", "yaml": "pyyaml"}
+# rlconform's own column, added because kv_first_write takes the batch size from it (the rollout
+# actor writes the loss multiplier there); dropped again on decode when the batch had none
 SAMPLE_MASK = "sample_mask"
+# the data-path files the adapter reads or imports, relative to the checkout root
+_FILES = ("nemo_rl/__init__.py", "nemo_rl/data_plane/column_io.py",
+          "nemo_rl/data/llm_message_utils.py", "nemo_rl/experience/sync_rollout_actor.py",
+          "nemo_rl/models/policy/tq_policy.py")
+# the rollout actor's media steps (see the module docstring)
+WIRE_ENCODER = "wire encoder"
+TENSOR_FILTER = "tensor filter"
+# rlconform's per-token fields that sit in a NeMo-RL message log (under NeMo-RL's key), as the
+# rollout's message logs hold them; every other non-media field is written by write_columns
+_MESSAGE_KEYS = {"input_ids": "token_ids", "token_mask": "token_loss_mask",
+                 "generation_logprobs": "generation_logprobs",
+                 "mm_token_type_ids": "mm_token_type_ids", "token_type_ids": "token_type_ids"}
+
+
+def _check_src(src: str) -> Path:
+    """NEMO_RL_SRC must name a NeMo-RL tree: say which path and what is missing under it."""
+    root = Path(src).expanduser()
+    if not root.is_dir():
+        raise ImportError(f"nemo-rl: NEMO_RL_SRC={src!r} is not a directory; point it at a NeMo-RL "
+                          "checkout or export (the folder holding nemo_rl/)")
+    missing = [f for f in _FILES if not (root / f).is_file()]
+    if missing:
+        raise ImportError(f"nemo-rl: NEMO_RL_SRC={src!r} ({root.resolve()}) is not a NeMo-RL tree "
+                          f"with a data plane: missing {', '.join(missing)}")
+    return root.resolve()
+
+
+def _install_hint(exc: ImportError) -> str:
+    name = (getattr(exc, "name", None) or "").split(".")[0]
+    if not name or name == "nemo_rl":
+        return f"{exc}"
+    return (f"it imports {name!r}, which is not installed: pip install {_DIST.get(name, name)} "
+            f"(the data path needs {' '.join(REQUIREMENTS)} beyond rlconform's own packages)")
+
+
+def _calls_in(tree: ast.AST, function: str) -> list[ast.Call]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+    return []
+
+
+def _call_name(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
 
 
 class _NemoRL:
-    """The NeMo-RL modules this adapter calls, imported once."""
+    """The NeMo-RL modules this adapter calls and the path this version takes, found once."""
 
     def __init__(self) -> None:
         src = os.environ.get("NEMO_RL_SRC")
-        if src and src not in sys.path:
-            sys.path.insert(0, src)
+        self.src = _check_src(src) if src else None
+        if self.src is not None and str(self.src) not in sys.path:
+            sys.path.insert(0, str(self.src))
         try:
-            import nemo_rl  # noqa: F401
+            import nemo_rl
         except ImportError as exc:
             raise ImportError(f"{MISSING} ({exc})") from exc
+        self.root = Path(nemo_rl.__file__).resolve().parent.parent
+        if self.src is not None and self.root != self.src:
+            raise ImportError(f"nemo-rl: NEMO_RL_SRC={src!r} but nemo_rl was imported from "
+                              f"{self.root} (installed, or earlier on sys.path)")
         try:
-            from nemo_rl.data.multimodal_utils import PackedTensor
+            from nemo_rl.data import llm_message_utils, multimodal_utils
             from nemo_rl.data_plane import codec, column_io, interfaces, preshard, schema
             from nemo_rl.data_plane.adapters import noop
             from nemo_rl.distributed.batched_data_dict import BatchedDataDict
         except ImportError as exc:
-            raise ImportError(f"nemo-rl: nemo_rl is importable but its data plane is not "
-                              f"({exc}); it needs `pip install {' '.join(REQUIREMENTS)}`") from exc
+            raise ImportError(f"nemo-rl: nemo_rl ({self.root}) is importable but its data path "
+                              f"is not: {_install_hint(exc)}") from exc
         self.nemo_rl = nemo_rl
-        self.PackedTensor = PackedTensor
+        self.PackedTensor = multimodal_utils.PackedTensor
+        self.multimodal_utils = multimodal_utils
+        self.flatten = llm_message_utils.batched_message_log_to_flat_message
         self.BatchedDataDict = BatchedDataDict
         self.codec, self.column_io, self.interfaces = codec, column_io, interfaces
         self.preshard, self.schema, self.noop = preshard, schema, noop
         self.KVBatchMeta = interfaces.KVBatchMeta
+        self.media_step, self.rollout_pixel_dtype = self._rollout_media_step()
+        self.present_multimodal_fields = self._policy_fetch_extension()
         self._validator = None
         self.validator_import = ""
+
+    # -- which path this version takes (read from its source, never from a commit) ----------
+    def _source(self, rel: str) -> tuple[Path, ast.Module]:
+        path = self.root / rel
+        if not path.is_file():
+            raise ImportError(f"nemo-rl: {path} is missing; the adapter follows the rollout "
+                              "write and the policy's fetch lists from there")
+        return path, ast.parse(path.read_text(), str(path))
+
+    def _rollout_media_step(self) -> tuple[str, bool]:
+        """How `SyncRolloutActor.rollout_to_tq` puts the flat batch's media into its bulk
+        batch: through `encode_multimodal_for_wire` (and with a `pixel_dtype`), or by keeping
+        the tensors of `get_multimodal_dict(as_tensors=False)`."""
+        path, tree = self._source("nemo_rl/experience/sync_rollout_actor.py")
+        calls = _calls_in(tree, "rollout_to_tq")
+        if not calls:
+            raise ImportError(f"nemo-rl: {path} has no rollout_to_tq; this NeMo-RL's rollout "
+                              "write is not the one the adapter knows")
+        names = {_call_name(c) for c in calls}
+        media = [c for c in calls if _call_name(c) == "get_multimodal_dict"]
+        if not media:
+            raise ImportError(f"nemo-rl: {path} rollout_to_tq calls no get_multimodal_dict")
+        dtype = any(k.arg == "pixel_dtype" for c in media for k in c.keywords)
+        if "encode_multimodal_for_wire" in names:
+            if not hasattr(self.multimodal_utils, "encode_multimodal_for_wire"):
+                raise ImportError("nemo-rl: rollout_to_tq calls encode_multimodal_for_wire, which "
+                                  "nemo_rl.data.multimodal_utils does not define")
+            return WIRE_ENCODER, dtype
+        return TENSOR_FILTER, dtype
+
+    def _policy_fetch_extension(self):
+        """`tq_policy._present_multimodal_fields` when this version's policy has it (and its
+        stage dispatch calls it), compiled from tq_policy.py with the registries it reads; else
+        None (the fetch lists are the static schema lists)."""
+        path, tree = self._source("nemo_rl/models/policy/tq_policy.py")
+        name = "_present_multimodal_fields"
+        users = [f for f in ("_logprob_dispatch", "train_from_meta")
+                 if any(_call_name(c) == name for c in _calls_in(tree, f))]
+        if not users:
+            return None
+        body = []
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    ("nemo_rl.data.", "nemo_rl.data_plane")):
+                body.append(node)  # the light registries the definitions read
+            elif isinstance(node, ast.FunctionDef) and node.name == name:
+                body.append(node)
+            elif isinstance(node, ast.Assign) and any(
+                    getattr(t, "id", "").startswith("_WIRE_") for t in node.targets):
+                body.append(node)
+        ns: dict = {"__name__": "nemo_rl.models.policy.tq_policy"}
+        exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102
+        fn = ns.get(name)
+        if fn is None:
+            raise ImportError(f"nemo-rl: {path} calls {name} in {users} but does not define it")
+        return fn
+
+    @property
+    def path_label(self) -> str:
+        fetch = ("static fetch lists + _present_multimodal_fields"
+                 if self.present_multimodal_fields else "static fetch lists")
+        dtype = ", pixel_dtype at the write" if self.rollout_pixel_dtype else ""
+        return f"rollout media step: {self.media_step}{dtype}; {fetch}"
 
     def check_sequence_dim(self):
         """`nemo_rl.models.automodel.data.check_sequence_dim`, imported on first use.
@@ -119,6 +261,9 @@ class _NemoRL:
             sys.modules["nemo_rl.algorithms.loss"] = pkg
             try:
                 mod = importlib.import_module(name)
+            except ImportError as again:
+                raise ImportError(f"nemo-rl: {name} does not import: {_install_hint(again)}"
+                                  ) from again
             finally:  # nothing else in the process sees a package without its __init__
                 sys.modules.pop("nemo_rl.algorithms.loss", None)
             self.validator_import = ("nemo_rl.algorithms.loss's __init__ skipped "
@@ -137,24 +282,9 @@ def nemo() -> _NemoRL:
     return _NEMO
 
 
-# -- type mapping ---------------------------------------------------------------------------
-def to_nemo_packed(pt, pack_dim: int):
-    """An rlconform PackedTensor as a NeMo-RL PackedTensor (deduplication enabled)."""
-    NPT = nemo().PackedTensor
-    dim = 1 if pack_dim == 1 else 0
-
-    def seg(s):
-        return NPT([s.unsqueeze(0) if dim == 1 else s], dim).enable_deduplication()
-
-    segs = [seg(s) for s in pt.segments]
-    template = segs[0] if segs else NPT([None], dim).enable_deduplication()
-    rows = [NPT.empty_rows_like(template, 1) if r is None
-            else NPT.merge_segments([segs[j] for j in r]) for r in pt.rows]
-    return NPT.concat(rows)
-
-
+# -- NeMo-RL's values back as rlconform's ---------------------------------------------------------
 def from_nemo_packed(npt, pack_dim: int):
-    """A NeMo-RL PackedTensor as an rlconform PackedTensor; physical sharing kept."""
+    """A NeMo-RL PackedTensor as an rlconform PackedTensor, row by row; physical sharing kept."""
     from rlconform.reference_impl.packed import PackedTensor
 
     segments, index, rows = [], {}, []
@@ -171,26 +301,6 @@ def from_nemo_packed(npt, pack_dim: int):
             row.append(index[id(t)])
         rows.append(tuple(row))
     return PackedTensor(segments, rows, pack_dim)
-
-
-def to_bdd(batch, extra: dict | None = None):
-    """An rlconform Batch as NeMo-RL's in-memory BatchedDataDict."""
-    import numpy as np
-
-    from rlconform.reference_impl.objects import ObjectColumn
-    from rlconform.reference_impl.packed import PackedTensor
-
-    out = {}
-    for name, v in batch.fields.items():
-        if isinstance(v, PackedTensor):
-            out[name] = to_nemo_packed(v, v.pack_dim)
-        elif isinstance(v, ObjectColumn):  # NeMo-RL's per-row object column: ndarray(object)
-            out[name] = np.empty(len(v.rows), dtype=object)
-            out[name][:] = list(v.rows)
-        else:
-            out[name] = v
-    out.update(extra or {})
-    return nemo().BatchedDataDict(out)
 
 
 def from_bdd(data, family: str | None, pack_dims: dict[str, int] | None = None,
@@ -234,6 +344,157 @@ def _td(columns: dict, n: int):
     from tensordict import TensorDict
 
     return TensorDict(dict(columns), batch_size=[n])
+
+
+# -- the rollout write and the worker read -----------------------------------------------------
+def _processor_value(segs: list, pack_dim: int):
+    """A sample's media of one field as a processor emits them for that sample: its images'
+    tensors joined on the packing dim (Qwen-VL `pixel_values [patches, 1176]`, grids
+    `[n_images, 3]`, SmolVLM tiles `[1, tiles, 3, H, W]`), or one tensor per image where their
+    trailing dims differ (images of several sizes)."""
+    import torch
+
+    one = (lambda t: t.unsqueeze(0)) if pack_dim == 1 else (lambda t: t)
+    if len({tuple(s.shape[1:]) for s in segs}) > 1:
+        return [one(s) for s in segs]
+    return one(segs[0] if len(segs) == 1 else torch.cat(segs))
+
+
+def _message_logs(batch) -> list[list[dict]]:
+    """The message log each sample's rollout holds: one message with its tokens, its per-token
+    maps and, per media field with media in that sample, `PackedTensor(<the processor's value
+    for this sample>, dim_to_pack=...)`, as `extract_multimodal_model_inputs` wraps a processor
+    output. A field without media in a sample is absent from its message, as in a text-only
+    sample's; no registry of rlconform's decides what enters (an unregistered field enters
+    like any other, and NeMo-RL's code decides what happens to it)."""
+    import torch
+
+    from rlconform.reference_impl.packed import PackedTensor as RPT
+
+    NPT = nemo().PackedTensor
+    lens = batch.seq_lens.tolist()
+    packed = {n: v for n, v in batch.fields.items() if isinstance(v, RPT)}
+    values = [{name: _processor_value(v.row_segments(i), v.pack_dim)
+               for name, v in packed.items() if not v.is_none(i)} for i in range(len(lens))]
+    # NeMo-RL sets pad_to_max_shape per processor and key, for every sample alike
+    # (multimodal_utils.get_pad_to_max_shape: the placeholder-style processors' pixel_values,
+    # whose tiles differ in size); without it its as_tensor and to_nested_wire reject values
+    # whose trailing dims differ. The adapter sets it for exactly the fields whose values do.
+    trailing: dict[str, set] = {}
+    for row in values:
+        for name, value in row.items():
+            for t in value if isinstance(value, list) else [value]:
+                trailing.setdefault(name, set()).add(tuple(t.shape[1:]))
+    padded = {name for name, shapes in trailing.items() if len(shapes) > 1}
+    logs = []
+    for i, n in enumerate(lens):
+        msg: dict = {"role": "user", "content": ""}
+        for name, key in _MESSAGE_KEYS.items():
+            v = batch.fields.get(name)
+            if isinstance(v, torch.Tensor) and v.dim() == 2:
+                msg[key] = v[i, :n]
+        for name, value in values[i].items():
+            msg[name] = NPT(value, dim_to_pack=packed[name].pack_dim,
+                            pad_to_max_shape=name in padded)
+        logs.append([msg])
+    return logs
+
+
+class _Recorder:
+    """NeMo-RL's NoOp client, keeping every TensorDict `put_samples` received (the wire)."""
+
+    def __new__(cls):
+        nr = nemo()
+
+        class Recorder(nr.noop.NoOpDataPlaneClient):
+            def __init__(self):
+                super().__init__()
+                self.puts: list = []
+
+            def put_samples(self, sample_ids, partition_id, fields=None, tags=None):
+                self.puts.append((list(sample_ids), fields, tags))
+                return super().put_samples(sample_ids, partition_id, fields=fields, tags=tags)
+
+        return Recorder()
+
+
+def rollout_write(batch, client, partition: str, pixel_dtype=None):
+    """NeMo-RL's rollout write of `batch` into `client`; returns the `KVBatchMeta` of the write.
+
+    The flatten is NeMo-RL's (`batched_message_log_to_flat_message` of the samples' message logs).
+    The bulk batch is assembled as `SyncRolloutActor.rollout_to_tq` assembles it inline: the
+    text columns, then this version's media step over `flat.get_multimodal_dict(as_tensors=False)`
+    (see the module docstring), then any per-row object column as `np.asarray(v, dtype=object)`;
+    `kv_first_write` puts it. The text columns are the batch's own tensors (rollout_to_tq takes
+    them from the same flatten, which would turn a caller's int64 lengths into int32), and the
+    columns NeMo-RL's workers and driver add after the rollout (logprobs, advantages, attention
+    masks, position ids) go through `column_io.write_columns`, as they do there.
+    """
+    import numpy as np
+    import torch
+
+    from rlconform.reference_impl.packed import PackedTensor as RPT
+    from rlconform.reference_impl.registry import Kind, spec
+
+    nr = nemo()
+    n = batch.batch_size
+    if n == 0:
+        raise ValueError(f"cannot write an empty batch (fields {sorted(batch.fields)})")
+    flat, _lengths = nr.flatten(_message_logs(batch))
+    bulk = nr.BatchedDataDict({
+        name: batch[name] for name in ("input_ids", "input_lengths", "generation_logprobs",
+                                       "token_mask") if name in batch.fields})
+    bulk[SAMPLE_MASK] = batch[SAMPLE_MASK] if SAMPLE_MASK in batch.fields \
+        else torch.ones(n, dtype=torch.float32)
+    if nr.media_step == WIRE_ENCODER:
+        kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
+        for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():
+            for wk, wv in nr.multimodal_utils.encode_multimodal_for_wire(k, v):
+                bulk[wk] = wv
+    else:
+        kw = {"pixel_dtype": pixel_dtype} if nr.rollout_pixel_dtype else {}
+        for k, v in flat.get_multimodal_dict(as_tensors=False, **kw).items():
+            if isinstance(v, torch.Tensor):
+                bulk[k] = v
+    later = {}
+    for name, v in batch.fields.items():
+        if name in bulk or isinstance(v, RPT):
+            continue
+        if spec(name).kind is Kind.OBJECT:  # rollout_to_tq's pass-through of non-tensor fields
+            bulk[name] = np.asarray(list(v.rows), dtype=object)
+        elif name not in _MESSAGE_KEYS:
+            later[name] = v
+    meta = nr.column_io.kv_first_write(bulk, sample_ids=[f"s{i}" for i in range(n)],
+                                       dp_client=client, partition_id=partition,
+                                       task_name=partition)
+    if later:
+        nr.column_io.write_columns(client, meta, later)
+        meta = dataclasses.replace(meta, fields=list(meta.fields or []) + list(later))
+    return meta
+
+
+def worker_read(client, meta, fields: Sequence[str], pad_to_seqlen: int = 0):
+    """`column_io.read_columns` as a policy worker reads its batch (padded layout)."""
+    nr = nemo()
+    if pad_to_seqlen:
+        meta = dataclasses.replace(meta, extra_info={
+            **(meta.extra_info or {}), nr.schema.GLOBAL_FORWARD_PAD_SEQLEN: int(pad_to_seqlen)})
+    return nr.column_io.read_columns(client, meta, list(fields))
+
+
+def _media_back(data, batch_like=None):
+    """The worker batch `data` with its media as NeMo-RL's `get_multimodal_dict(as_tensors=False)`
+    gives them (PackedTensors; on the wire-encoder path rebuilt from the jagged column and its
+    `__lengths` companion, which is dropped), as an rlconform Batch."""
+    nr = nemo()
+    media = data.get_multimodal_dict(as_tensors=False)
+    suffix = getattr(nr.PackedTensor, "LENGTHS_SUFFIX", None)
+    out = {k: v for k, v in data.items() if not (suffix and k.endswith(suffix))}
+    out.update(media)
+    family = batch_like.family if batch_like is not None else None
+    pack_dims = _pack_dims(batch_like) if batch_like is not None else None
+    drop = () if batch_like is not None and SAMPLE_MASK in batch_like.fields else (SAMPLE_MASK,)
+    return from_bdd(out, family, pack_dims, drop=drop)
 
 
 # -- transport ------------------------------------------------------------------------------
@@ -303,8 +564,17 @@ class NemoRLTransport:
 
 
 # -- codec ----------------------------------------------------------------------------------
+def _fresh_client():
+    client = _Recorder()
+    partition = f"rlc-{uuid.uuid4().hex[:8]}"
+    client.register_partition(partition, fields=[], num_samples=0, consumer_tasks=[])
+    return client, partition
+
+
 class NemoRLCodec:
-    """encode: NeMo-RL's rollout write (kv_first_write); decode: its worker read (materialize)."""
+    """encode: NeMo-RL's rollout write (`rollout_write`); decode: its worker read of the wire
+    (`materialize`, `get_multimodal_dict`). The wire is what `put_samples` received; its tags are
+    the rollout write's (none: rollout_to_tq passes no tags)."""
 
     name = "nemo-rl"
 
@@ -313,42 +583,20 @@ class NemoRLCodec:
         self.pixel_dtype = pixel_dtype
 
     def encode(self, batch):
-        import torch
-
         from rlconform.reference_impl.codec import WireBatch
 
-        nr = self._nr
-        n = batch.batch_size
-        bdd = to_bdd(batch, {SAMPLE_MASK: torch.ones(n, dtype=torch.float32)})
-        if self.pixel_dtype is not None:  # NeMo-RL's policy-dtype cast of pixel media
-            bdd.update(bdd.get_multimodal_dict(as_tensors=False, pixel_dtype=self.pixel_dtype))
-        capture = _WireCapture(nr)
-        partition = f"rlc-{uuid.uuid4().hex[:8]}"
-        capture.register_partition(partition, fields=[], num_samples=n, consumer_tasks=[])
-        meta = nr.column_io.kv_first_write(
-            bdd, sample_ids=[f"s{i}" for i in range(n)], dp_client=capture,
-            partition_id=partition, task_name=partition)
-        columns = {name: capture.fields[name] for name in capture.fields.keys()}
-        tags = meta.tags if meta.tags is not None else [{} for _ in range(n)]
+        client, partition = _fresh_client()
+        meta = rollout_write(batch, client, partition, self.pixel_dtype)
+        columns: dict = {}
+        for _keys, fields, _tags in client.puts:
+            if fields is not None:
+                columns.update({name: fields[name] for name in fields.keys()})
+        tags = meta.tags if meta.tags is not None else [{} for _ in range(len(batch))]
         return WireBatch(columns, [dict(t) for t in tags])
 
     def decode(self, wire):
         data = self._nr.codec.materialize(_td(wire.columns, len(wire.tags)), layout="padded")
-        return from_bdd(data, None, drop=(SAMPLE_MASK,))
-
-
-def _WireCapture(nr):
-    """NeMo-RL's NoOp client that also keeps the TensorDict and tags put_samples received."""
-
-    class WireCapture(nr.noop.NoOpDataPlaneClient):
-        fields = None
-        tags = None
-
-        def put_samples(self, sample_ids, partition_id, fields=None, tags=None):
-            self.fields, self.tags = fields, tags
-            return super().put_samples(sample_ids, partition_id, fields=fields, tags=tags)
-
-    return WireCapture()
+        return _media_back(data)
 
 
 # -- meta -----------------------------------------------------------------------------------
@@ -424,68 +672,98 @@ class NemoRLMeta:
 
 # -- batch_ops ------------------------------------------------------------------------------
 class NemoRLBatchOps:
-    """rlconform's batch_ops over NeMo-RL's BatchedDataDict (see the module docstring)."""
+    """rlconform's batch_ops on the worker's batch as NeMo-RL's data plane delivers it."""
 
     name = "nemo-rl"
 
     def __init__(self) -> None:
         self._nr = nemo()
 
+    def _delivered(self, batch, pad_to_seqlen: int = 0, pixel_dtype=None):
+        """The rollout write of `batch`, then a worker's `read_columns` of every written field."""
+        client, partition = _fresh_client()
+        meta = rollout_write(batch, client, partition, pixel_dtype)
+        return worker_read(client, meta, meta.fields or [], pad_to_seqlen), meta, client
+
     def truncate(self, batch, max_len: int):
-        data = to_bdd(batch)
+        data, _meta, _client = self._delivered(batch)
         data.truncate_tensors(dim=1, truncated_len=max_len)
-        return from_bdd(data, batch.family, _pack_dims(batch))
+        return _media_back(data, batch)
 
     def pad_to(self, batch, seq_len: int):
-        from rlconform.reference_impl.registry import FIELDS, Kind
-
-        nr = self._nr
-        data = to_bdd(batch)
-        wire = nr.codec.pack_jagged_fields(dict(data), lengths=batch.seq_lens,
-                                           token_aligned_fields=nr.column_io.TOKEN_ALIGNED_FIELDS)
-        pads = {n: FIELDS[n].pad_value for n in batch.fields
-                if n in FIELDS and FIELDS[n].kind is Kind.PER_TOKEN}
-        out = nr.codec.materialize(wire, layout="padded", pad_value_dict=pads,
-                                   pad_to_seqlen=seq_len)
-        return from_bdd(out, batch.family, _pack_dims(batch))
+        data, _meta, _client = self._delivered(batch, pad_to_seqlen=seq_len)
+        return _media_back(data, batch)
 
     def validate(self, batch) -> None:
-        self._nr.check_sequence_dim()(to_bdd(batch))
+        data, _meta, _client = self._delivered(batch)
+        self._nr.check_sequence_dim()(data)
 
-    def stage_fields(self, stage) -> list[str]:
-        """The fields the stage's worker fetches (TQPolicy._logprob_dispatch / train_from_meta)."""
+    def stage_fields(self, stage, meta=None) -> list[str]:
+        """The fields the stage's worker fetches, as `TQPolicy._logprob_dispatch` /
+        `train_from_meta` list them for `meta` (the rollout write's)."""
         s = self._nr.schema
         seed = s.DP_TRAIN_FIELDS if getattr(stage, "value", stage) == "train" else s.LP_SEED_FIELDS
-        return s.fields_with_optional_routed_experts(seed, enabled=False)
+        extra = []
+        if self._nr.present_multimodal_fields is not None and meta is not None:
+            extra = self._nr.present_multimodal_fields(meta)
+        return s.fields_with_optional_routed_experts([*seed, *extra], enabled=False)
 
     def multimodal_inputs(self, batch, stage, dtype=None) -> dict:
-        data = to_bdd(batch)
-        fetched = self._nr.BatchedDataDict({k: data[k] for k in self.stage_fields(stage)
-                                            if k in data})
-        got = fetched.get_multimodal_dict(as_tensors=True, pixel_dtype=dtype)
+        """The rollout write (with the policy dtype where the version casts there), the stage's
+        fetch of what was written, and the workers' `get_multimodal_dict(as_tensors=True)`.
+
+        The fetch asks only for listed fields the rollout wrote: the batches under test hold part
+        of a step's columns (prev_logprobs and advantages are written later), and a fetch of an
+        unwritten field raises in every NeMo-RL client."""
+        client, partition = _fresh_client()
+        meta = rollout_write(batch, client, partition, dtype)
+        written = set(meta.fields or [])
+        fields = [f for f in self.stage_fields(stage, meta) if f in written]
+        data = worker_read(client, meta, fields)
+        got = data.get_multimodal_dict(as_tensors=True)
         return {k: v for k, v in got.items() if v is not None}  # None: no media (legacy)
 
 
 # -- the backend ------------------------------------------------------------------------------
+def nemo_rl_commit() -> str:
+    """The NeMo-RL commit under test: `$NEMO_RL_COMMIT` (for an export, which has no .git), else
+    the checkout's `git rev-parse HEAD`, else "unknown"; never a guess."""
+    given = os.environ.get("NEMO_RL_COMMIT", "").strip()
+    if given:
+        return given
+    root = nemo().root
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=9", "HEAD"],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "unknown"
+
+
 def _version() -> str:
     nr = nemo()
-    root = Path(nr.nemo_rl.__file__).resolve().parent.parent
-    commit = ""
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    ver = getattr(nr.nemo_rl, "__version__", "?")
-    return f"NeMo-RL {ver}" + (f" at commit {commit}" if commit else "")
+    ver = getattr(nr.nemo_rl, "__version__", None) or "?"
+    return f"NeMo-RL {ver} at commit {nemo_rl_commit()}"
+
+
+def expectations_name() -> str:
+    """The bundled waiver file for the path this NeMo-RL takes: `nemo-rl` (the tensor-filter
+    rollout write of main at 7ea279a) or `nemo-rl-pr2957` (the wire encoder of PR #2957's head).
+    Chosen by the entry points found, not by the commit, so an export without a commit gets the
+    waivers of the code it holds."""
+    return "nemo-rl-pr2957" if nemo().media_step == WIRE_ENCODER else "nemo-rl"
 
 
 NOTES = {
     "trainer": "not wrapped: NeMo-RL's trainers (TQPolicy, DTensor/Megatron policy workers) "
-               "need Ray worker groups and GPUs; its per-stage fetch lists are wrapped as "
-               "batch_ops.multimodal_inputs instead",
+               "need Ray worker groups and GPUs; its per-stage fetch lists and the workers' "
+               "get_multimodal_dict are wrapped as batch_ops.multimodal_inputs instead",
     "rollout": "not wrapped: NeMo-RL generates with vLLM/SGLang engines (GPU); its rollout "
-               "write (column_io.kv_first_write) is the codec's encode",
+               "write (SyncRolloutActor.rollout_to_tq's media step, kv_first_write) is the "
+               "codec's encode",
     "object_columns": "NoOpDataPlaneClient.put_samples rejects non-tensor leaves ('No pickle on "
                       "the bus'); only the TransferQueue adapter passes NonTensorStack leaves",
     "batch_algebra": "not wrapped yet: BatchedDataDict.select_indices / from_batches / slice "
@@ -500,16 +778,18 @@ NOTES = {
 
 
 def backend() -> Backend:
-    """The `nemo-rl` backend; raises ImportError saying what is missing when nemo_rl is not
-    importable (`rlconform backends` and `--backend nemo-rl` print it)."""
+    """The `nemo-rl` backend; raises ImportError saying what is missing when nemo_rl (or its
+    data path) is not importable (`rlconform backends` and `--backend nemo-rl` print it)."""
     nr = nemo()
     nr.check_sequence_dim()  # import it now, so the description says how
     return Backend(
         name="nemo-rl",
-        description=f"{_version()}: NoOpDataPlaneClient transport, kv_first_write/materialize "
-                    "codec, KVBatchMeta + shard_meta_for_dp meta, BatchedDataDict/PackedTensor "
-                    "batch ops with check_sequence_dim and the policy's per-stage fetch lists "
-                    f"(check_sequence_dim: {nr.validator_import})",
+        description=f"{_version()} from {nr.root} ({nr.path_label}): NoOpDataPlaneClient "
+                    "transport; codec = batched_message_log_to_flat_message, the rollout "
+                    "actor's media step, kv_first_write / write_columns, then materialize and "
+                    "get_multimodal_dict; KVBatchMeta + shard_meta_for_dp meta; batch ops on the "
+                    "worker's read_columns batch with truncate_tensors, check_sequence_dim and "
+                    f"the policy's per-stage fetch lists (check_sequence_dim: {nr.validator_import})",
         transport=NemoRLTransport,
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
@@ -517,4 +797,5 @@ def backend() -> Backend:
         capabilities=frozenset({"partitions", "bfloat16", "dp"}),
         notes=dict(NOTES),
         version=_version(),
+        expectations=expectations_name(),
     )

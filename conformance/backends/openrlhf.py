@@ -93,6 +93,11 @@ def orl() -> _OpenRLHF:
     return _ORL
 
 
+
+class OpenRLHFHasNone(RuntimeError):
+    """OpenRLHF has no function for this batch operation (an "unsupported" waiver covers it);
+    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
+
 # -- rlconform Batch <-> OpenRLHF Experience ------------------------------------------------------
 def _form(batch) -> dict:
     """How `batch` holds its fields, to give OpenRLHF's results back in the same form: the field
@@ -109,31 +114,62 @@ def _form(batch) -> dict:
             "packed": packed, "family": batch.family}
 
 
-def to_experience(batch, rows: bool = False):
-    """An `Experience` holding `batch` (see the module docstring); with `rows`, each row's index
-    in `info[ROW]`."""
-    form = _form(batch)
+def _sample_experience(batch, i: int, media, rows: bool):
+    """Sample i as the rollout makes one `Experience`
+    (`SamplesGenerator._process_response_into_experience`): its tokens and per-token tensors
+    `[1, len]` (cut at the sample's length on their sequence dim, unpadded), its episode
+    tensors `[1]`, its media dict (or None) as the one entry of `mm_train_inputs`, and its other
+    values in `info`, each `[1, ...]`."""
+    from rlconform.reference_impl.registry import Kind, spec
+
+    n = int(batch.seq_lens[i])
     kwargs: dict = {}
     info: dict = {}
     for name, v in batch.fields.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        row = v[i:i + 1]
+        if spec(name).kind is Kind.PER_TOKEN:  # a slice, so a field shorter than the row stays so
+            cut = [slice(None)] * v.dim()
+            cut[spec(name).seq_axis(v.dim())] = slice(0, n)
+            row = row[tuple(cut)]
         if name in STEP:
-            kwargs[STEP[name]] = v
+            kwargs[STEP[name]] = row
         elif name in EPISODE:
-            kwargs[EPISODE[name]] = v
-        elif isinstance(v, torch.Tensor):
-            info[name] = v
+            kwargs[EPISODE[name]] = row
+        else:
+            info[name] = row
+    if rows:
+        info[ROW] = torch.tensor([i])
+    kwargs[MEDIA] = [media]
+    kwargs["info"] = info
+    return orl().Experience(**kwargs)
+
+
+def to_experience(batch, rows: bool = False):
+    """The `Experience` OpenRLHF makes of `batch` (see the module docstring): one `Experience`
+    per sample as its rollout makes them, joined by `Experience.concat_experiences`, as
+    `RemoteExperienceMaker.split_rollout_samples` joins rollout samples (padding `sequences`
+    with input_ids' pad value); with `rows`, each row's index in `info[ROW]`.
+
+    The media a sample holds are its processor dict (`process_prompt_with_images` keeps the
+    processor output's media keys) or None for a text-only sample: an object column's own row
+    objects (OpenRLHF's functions then show whether they share them), or the packed fields'
+    per-sample dicts (`Batch.to_row_dicts`, the processor's per-sample form)."""
+    from rlconform.reference_impl.registry import FIELDS
+
+    form = _form(batch)
     n = batch.batch_size
     if form["object"]:
-        media = list(batch[form["object"]].rows)  # the row objects themselves: OpenRLHF's
-    elif form["packed"]:                          # functions show whether they share them
-        media = list(batch.to_row_dicts(MEDIA)[MEDIA].rows)
+        media = list(batch[form["object"]].rows)
+    elif form["packed"]:
+        media = [r if r else None for r in batch.to_row_dicts(MEDIA)[MEDIA].rows]
     else:
         media = [None] * n  # a text-only sample's entry, as the rollout makes it
-    if rows:
-        info[ROW] = torch.arange(n)
-    kwargs[MEDIA] = media
-    kwargs["info"] = info
-    return orl().Experience(**kwargs), form
+    singles = [_sample_experience(batch, i, media[i], rows) for i in range(n)]
+    joined = orl().Experience.concat_experiences(
+        singles, pad_token_id=int(FIELDS["input_ids"].pad_value))
+    return joined, form
 
 
 def _tensor(name: str, value):
@@ -224,13 +260,13 @@ class OpenRLHFBatchOps:
         self._o = orl()
 
     def truncate(self, batch, max_len: int):
-        raise NotImplementedError(
+        raise OpenRLHFHasNone(
             "OpenRLHF 0.11.2 has no batch truncation: the rollout cuts each response to max_len "
             "once, as it becomes an Experience (SamplesGenerator._process_response_into_experience, "
             "which imports vLLM); no function narrows a batch")
 
     def pad_to(self, batch, seq_len: int):
-        raise NotImplementedError(
+        raise OpenRLHFHasNone(
             "OpenRLHF 0.11.2 pads only to the longest row of the tensors it joins "
             "(utils.zero_pad_sequences inside make_experience_batch / concat_experiences); no "
             "function pads a batch to a given length")

@@ -55,6 +55,11 @@ def _verl():
             f"--backend verl installs them): {exc}") from exc
 
 
+
+class VerlHasNone(RuntimeError):
+    """verl has no function for this batch operation (an "unsupported" waiver covers it);
+    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
+
 # -- rlconform Batch <-> verl's containers -------------------------------------------------------
 _FORM = "rlconform_media_form"  # DataProto.meta_info / codec tag: how the Batch held its media
 
@@ -96,25 +101,27 @@ def _batch(fields: dict, rows, form: dict):
     if form["object"]:
         return Batch({**fields, form["object"]: ObjectColumn.adopt(rows, MEDIA)}, family)
     out = Batch({**fields, MEDIA: ObjectColumn.adopt(rows, MEDIA)}, family).from_row_dicts(MEDIA)
+    # A medium no row has leaves no key in verl's dicts; the source batch held it as a packed
+    # field of None rows, and gets it back in that form (a change of representation: nothing of
+    # verl's result is repaired, a row with media that verl lost stays lost)
     n = len(rows)
-    missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)  # fields with no media in
-               for name, pd in form["packed"].items() if name not in out.fields}  # any row
+    missing = {name: PackedTensor.from_rows([None] * n, pack_dim=pd)
+               for name, pd in form["packed"].items() if name not in out.fields}
     return out.replace(**missing) if missing else out
 
 
 def to_proto(batch):
-    """A `DataProto` holding `batch`: tensors in `batch`, media dicts in `non_tensor_batch`."""
-    import numpy as np
+    """A `DataProto` holding `batch`: tensors in `batch`, media dicts in `non_tensor_batch`.
+
+    The per-sample media dicts go in as the plain list a caller holds; `DataProto.from_dict`
+    builds the object array itself (`np.array(val, dtype=object)`, as verl's agent loop builds
+    `multi_modal_inputs` from its outputs' dicts)."""
     from verl.protocol import DataProto
 
     form = _media_form(batch)
     tensors = {n: v for n, v in batch.fields.items() if isinstance(v, torch.Tensor)}
     rows = _media_rows(batch, form)
-    non_tensors = {}
-    if rows is not None:
-        media = np.empty(len(rows), dtype=object)  # np.array(rows) may build a 2-D array
-        media[:] = rows
-        non_tensors[MEDIA] = media
+    non_tensors = {} if rows is None else {MEDIA: list(rows)}
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={_FORM: form})
 
 
@@ -150,6 +157,12 @@ class VerlCodec:
         self.pixel_dtype = pixel_dtype  # verl's write path stores the processor's dtype
 
     def encode(self, batch):
+        """verl builds each sample's dict inline in `AgentLoopWorkerTQ._agent_loop_postprocess`
+        (trainer/ppo/v1/agent_loop_tq.py), an async method of a Ray actor that first runs the
+        generation server, the reward and the teacher logprobs; no verl function builds one
+        sample's dict, so the adapter builds it with the keys and layout that method writes
+        (per-token fields cut at the row's length on their sequence dim, `multi_modal_inputs`
+        as the processor's dict) and hands the list to verl's `list_of_dict_to_tensordict`."""
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
         from rlconform.reference_impl.codec import FAMILY_TAG, SEQ_LEN_TAG, WireBatch
@@ -421,7 +434,7 @@ class VerlBatchOps:
         _verl()
 
     def truncate(self, batch, max_len: int):
-        raise NotImplementedError(
+        raise VerlHasNone(
             "verl 0.9.1 has no batch truncation: torch_functional.postprocess_data truncates only "
             "input_ids and attention_mask of a tokenizer output, and the no-padding path "
             "(workers/utils/padding.py) never cuts a batch to a length")

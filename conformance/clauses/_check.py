@@ -7,6 +7,7 @@ from torch import Tensor
 
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.bitexact import tensor_difference
+from rlconform.reference_impl.packed import PackedTensor
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
@@ -20,6 +21,10 @@ def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
     if want.dtype != got.dtype:
         return f"column {name!r} came back {got.dtype}, written {want.dtype}"
     if want.is_nested:
+        tw, tg = tuple(want.values().shape[1:]), tuple(got.values().shape[1:])
+        if tw != tg:  # seen even with zero rows, where no row shape says it
+            return f"column {name!r} came back with rows (j, *{list(tg)}), written " \
+                   f"(j, *{list(tw)})"
         a, b = want.unbind(), got.unbind()
         if len(a) != len(b):
             return f"column {name!r} has {len(b)} rows, written {len(a)}"
@@ -52,16 +57,119 @@ def assert_columns_equal(want: dict[str, Tensor], got: dict[str, Tensor]) -> Non
         assert why is None, why
 
 
+def _extent(v: PackedTensor, i: int) -> int | None:
+    """Row i's size on the packing dim: how many entries of the model input are sample i's."""
+    segs = v.row_segments(i)
+    return None if segs is None else sum(int(s.shape[0]) for s in segs)
+
+
+def media_difference(name: str, want: PackedTensor, got: object) -> str | None:
+    """Why packed field `got` does not give the model what `want` gives, or None.
+
+    Judged as a consumer of the batch observes it: which rows have media (None vs present),
+    how many entries of the model input each row owns on the packing dim (so every sample's
+    patches, images or tiles stay with that sample), and the model-input tensor itself
+    (`as_tensor()`: dtype, shape, bits, padding where trailing dims differ). How a row's media
+    are cut into segments, and which segments rows share, is the encoder's business: a row's
+    images returned as one segment give the same model input. A field missing from the result
+    reads as every row None (no media tensor reaches the model, as for a text-only batch).
+    """
+    if got is None:
+        present = [i for i in range(len(want)) if not want.is_none(i)]
+        return None if not present else \
+            f"field {name!r} is missing; rows {present[:8]} have media"
+    if not isinstance(got, PackedTensor):
+        return f"field {name!r}: {type(got).__name__}, expected jagged media (PackedTensor)"
+    if len(got) != len(want):
+        return f"field {name!r}: {len(got)} rows, expected {len(want)}"
+    for i in range(len(want)):
+        if want.is_none(i) != got.is_none(i):
+            return f"field {name!r}: row {i} is {'None' if got.is_none(i) else 'present'}, " \
+                   "expected the opposite"
+        a, b = _extent(want, i), _extent(got, i)
+        if a != b:
+            return f"field {name!r}: row {i} holds {b} entries on the packing dim, expected {a}"
+    try:
+        model_in = got.as_tensor()
+    except (RuntimeError, ValueError) as exc:
+        return f"field {name!r}: no model input can be built from it ({exc})"
+    expected = want.as_tensor()
+    if expected is None or model_in is None:
+        return None if expected is None and model_in is None else \
+            f"field {name!r}: model input {'None' if model_in is None else 'present'}, " \
+            "expected the opposite"
+    why = tensor_difference(expected, model_in)
+    return f"field {name!r} model input: {why}" if why else None
+
+
+def batch_difference(want: Batch, got: Batch) -> str | None:
+    """Why `got` is not `want` as its consumers observe it, or None: every non-media field exactly
+    (`Batch.first_difference`), packed media by `media_difference`, no field gained."""
+    media = [n for n, v in want.fields.items() if isinstance(v, PackedTensor)]
+    others = [n for n in want.fields if n not in media]
+    why = want.first_difference(got, others)
+    if why:
+        return why
+    for n in media:
+        why = media_difference(n, want.fields[n], got.fields.get(n))
+        if why:
+            return why
+    extra = sorted(set(got.fields) - set(want.fields))
+    return f"unexpected fields {extra}" if extra else None
+
+
 def assert_batch_equal(want: Batch, got: Batch, context: str = "") -> None:
-    why = want.first_difference(got)
-    if why is None and set(want.fields) != set(got.fields):
-        why = f"fields {sorted(got.fields)}, expected {sorted(want.fields)}"
+    """`got` holds `want` as its consumers observe it (see `batch_difference`)."""
+    why = batch_difference(want, got)
     assert why is None, f"{context}{': ' if context else ''}{why}"
 
 
 def keys_for(n: int, prefix: str = "uid") -> list[str]:
     """Per-sample keys as a rollout mints them: `<uid>_g<i>`."""
     return [f"{prefix}{i // 4}_g{i % 4}" for i in range(n)]
+
+
+def tag_difference(want, got, path: str = "tag") -> str | None:
+    """Why tag value `got` is not exactly `want`, or None. Exact means the same type at every
+    level (a tuple is not a list, an int key not a str key, 1 not 1.0, True not 1), the same
+    dict keys, and floats equal with NaN equal to NaN and the sign of zero kept."""
+    import math
+
+    if type(want) is not type(got):
+        return f"{path} came back as {type(got).__name__} {got!r}, put as " \
+               f"{type(want).__name__} {want!r}"
+    if isinstance(want, float):
+        same = (math.isnan(want) and math.isnan(got)) or (
+            want == got and math.copysign(1.0, want) == math.copysign(1.0, got))
+        return None if same else f"{path} came back {got!r}, put {want!r}"
+    if isinstance(want, dict):
+        lost = [k for k in want if k not in got]
+        extra = [k for k in got if k not in want]
+        if lost or extra:
+            return f"{path} lost keys {lost!r} and has extra keys {extra!r}" \
+                   f" (key types put: {sorted({type(k).__name__ for k in want})})"
+        for k in want:
+            why = tag_difference(want[k], got[k], f"{path}[{k!r}]")
+            if why:
+                return why
+        return None
+    if isinstance(want, (list, tuple)):
+        if len(want) != len(got):
+            return f"{path} has {len(got)} items, put {len(want)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            why = tag_difference(a, b, f"{path}[{i}]")
+            if why:
+                return why
+        return None
+    return None if want == got else f"{path} came back {got!r}, put {want!r}"
+
+
+def assert_tags_equal(want: list, got: list, what: str) -> None:
+    assert isinstance(got, list), f"{what}: tags came back as {type(got).__name__}, not a list"
+    assert len(got) == len(want), f"{what}: {len(got)} tags for {len(want)} keys"
+    for i, (a, b) in enumerate(zip(want, got)):
+        why = tag_difference(a, b, f"tags[{i}]")
+        assert why is None, f"{what}: {why}"
 
 
 def expect_stored(read, what: str):

@@ -29,7 +29,7 @@ from rlconform.reference_impl.registry import (
     spec,
 )
 
-from ._check import assert_bit_equal, expect_accepted
+from ._check import assert_bit_equal, expect_accepted, media_difference
 
 MEDIA = media_families()
 
@@ -49,8 +49,14 @@ def _seq_size(name, v) -> int:
 
 
 def _assert_media_untouched(before, after, what: str):
+    """Media give the model what they gave before (packed: `media_difference`, which also sees a
+    cut or an inflated segment in the model-input tensor); dict rows exactly, with their bytes."""
     for name, v in _packed(before).items():
         got = after.fields.get(name)
+        if isinstance(v, PackedTensor):
+            why = media_difference(name, v, got)
+            assert why is None, f"{what} changed packed field {name!r}: {why}"
+            continue
         assert type(got) is type(v), f"{what}: {name!r} is gone or no longer a {type(v).__name__}"
         why = v.first_difference(got)
         assert why is None, f"{what} changed packed field {name!r}: {why}"
@@ -91,8 +97,7 @@ def test_truncate_every_family_model_inputs(batch_ops, family):
 def test_pad_excludes_media(batch_ops, batch, extra):
     target = batch.seq_len() + extra
     out = batch_ops.pad_to(batch, target)
-    _assert_media_untouched(batch, out, "pad_to")
-    assert out.media_nbytes() == batch.media_nbytes(), "padding changed the media bytes"
+    _assert_media_untouched(batch, out, "pad_to")  # the model input's bytes, and dict rows'
     for name in batch.names(Kind.PER_TOKEN):
         got, s = out[name], batch.seq_len()
         assert _seq_size(name, got) == target and got.dim() == batch[name].dim(), \
@@ -200,15 +205,26 @@ def test_dict_media_give_the_packed_model_inputs(batch_ops, family, form):
         held = build_batch(family, plan, media_form=form)
         for stage in Stage:
             for dtype in (None, torch.bfloat16):
-                _assert_same_inputs(batch_ops.multimodal_inputs(packed, stage, dtype),
-                                    batch_ops.multimodal_inputs(held, stage, dtype),
-                                    f"{family} {form} {stage.value} {dtype}")
+                what = f"{family} {form} {stage.value} {dtype}"
+                want = batch_ops.multimodal_inputs(packed, stage, dtype)
+                _assert_inputs_exercised(packed, stage, want, what)
+                _assert_same_inputs(want, batch_ops.multimodal_inputs(held, stage, dtype), what)
+
+
+def _assert_inputs_exercised(packed, stage, got: dict, what: str) -> None:
+    """Anti-vacuity: a batch with media for `stage` must give model inputs from its packed form;
+    two empty dicts agree about nothing."""
+    media = [n for n, v in packed.fields.items() if isinstance(v, PackedTensor)
+             and stage in spec(n).stages and any(not v.is_none(i) for i in range(len(v)))]
+    assert got or not media, \
+        f"{what}: the packed form gave no model inputs, though {media} hold media for the stage"
 
 
 @pytest.mark.clause("BATCH-OBJECT-INPUTS")
 @given(batch=batches(media_forms=MEDIA_FORMS[1:]))
 def test_property_dict_media_inputs(batch_ops, batch):
     want = batch_ops.multimodal_inputs(batch.packed_form(), Stage.TRAIN)
+    _assert_inputs_exercised(batch.packed_form(), Stage.TRAIN, want, "train inputs")
     _assert_same_inputs(want, batch_ops.multimodal_inputs(batch, Stage.TRAIN), "train inputs")
 
 
