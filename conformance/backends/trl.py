@@ -1,59 +1,49 @@
 """TRL 1.16.0's `GRPOTrainer` as an rlconform trainer backend (two configurations).
 
-The passes run TRL's own code; the adapter only builds TRL's inputs and reads TRL's outputs.
+The passes run TRL's own code. What the adapter builds itself, and why no TRL function does it:
 
 | rlconform need | TRL 1.16.0 (`trl.trainer`) |
 |---|---|
-| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ...,
-  batch_size=per_device_train_batch_size)` under `torch.no_grad()` and
-  `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it; the
-  pass runs only when TRL's own condition says so (old logprobs: `gradient_accumulation_steps %
-  (steps_per_generation * num_iterations) != 0`, or vLLM IS correction; reference: `beta != 0`);
-  otherwise the pass returns `None` (in memory) or the meta unchanged (data plane) |
-| which rows each train micro-batch holds | `utils.split_pixel_values_by_grid`, `shuffle_sequence_dict`,
-  `split_tensor_dict(batch, steps_per_generation)`, `unsplit_pixel_values_by_grid`, in the
-  order of `GRPOTrainer._prepare_inputs` |
-| train loss | `GRPOTrainer.compute_loss` (-> `_compute_loss`) per micro-batch, then
-  `accelerator.backward` (TRL sets `loss_is_scaled_for_ga`, so HF's `training_step` divides
-  nothing), `accelerator.clip_grad_norm_`, the optimizer of `Trainer.create_optimizer` |
-| per-token probs_ratio, clamped ratio, KL | not exposed by TRL: the train pass wraps
-  `_get_per_token_logps_and_entropies` to capture the per-token logprobs `_compute_loss`
-  uses, and applies `_compute_loss`'s own rule: `old = inputs.get("old_per_token_logps")`,
-  else `per_token_logps.detach()`; ratio `exp(logp - old)` (token level), clamped to
-  `[1 - epsilon_low, 1 + epsilon_high]`; KL `exp(ref - logp) - (ref - logp) - 1` |
+| the GRPO options of a point | `trl_options`: each rlconform LossConfig field to its `GRPOConfig` option (table in docs/grpo-configurations.md); a point TRL has no option for raises NotImplementedError with the reason, and the clauses report it not applicable |
+| the generation batch (prompt / completion ids and masks, media, `num_images`, advantages, old / reference / engine logprobs, `num_items_in_batch`) | built by the adapter (`trl_inputs`): TRL builds it only inside `_generate_and_score_completions`, from raw prompts and images, completions it generates itself (or a `rollout_func` returns), and advantages from its own reward functions; the trainer surface receives processed rows that another engine generated and another driver scored, and no TRL function accepts those |
+| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ..., batch_size=per_device_train_batch_size)` under `torch.no_grad()` and `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it (the data plane splits that function's two passes out); a pass runs only when TRL's own condition says so (`runs_pass`, the same condition: old logprobs when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0` or vLLM IS correction; reference when `beta != 0`), else it returns `None` (in memory) or the meta unchanged (data plane) |
+| the train step | `GRPOTrainer.training_step` per micro-batch (HF `Trainer.training_step`: `_prepare_inputs`, whose split_pixel_values_by_grid / shuffle_sequence_dict / split_tensor_dict / unsplit build and buffer the micro-batches and reuse them over `num_iterations`; `compute_loss` -> `_compute_loss`; `accelerator.backward`), with the adapter's generation batch standing in for `_generate_and_score_completions`' result (`_Watch`); then, as `Trainer._inner_training_loop` does at the end of an accumulation window (no public function), `accelerator.clip_grad_norm_` and the optimizer of `Trainer.create_optimizer` |
+| per-token probs_ratio, clamped ratio, KL, entropy | TRL logs batch means only: `_Watch` wraps `_get_per_token_logps_and_entropies` to keep the per-token logprobs and entropies `_compute_loss` used, and reads back its `coef_1` (token or sequence level), `coef_2` and KL estimate from them and the micro-batch's old / reference logprobs; the loss itself is TRL's |
 
 TRL's batch layout is `prompt_ids | completion_ids` with `logits_to_keep = completion length`.
 rlconform's batches are right padded, prompt lengths differ per row, and the logprob fetch does
 not carry them, so the adapter gives TRL the whole sequence after the first token as the
 "completion" (`logits_to_keep = S - 1`, `completion_mask` = attention) and the loss tokens as
 TRL's `tool_mask` (the completion tokens `_compute_loss` masks in: `completion_mask *
-tool_mask`); `num_items_in_batch` is TRL's `loss_mask.sum()` over every data-parallel shard
-(TRL gathers it across ranks). The engine's logprobs travel as TRL's `sampling_per_token_logps`
-(unused by the loss in these configurations). A generation batch is the shard padded to its own
-longest row (TRL pads a generation batch to its longest); micro-batches keep that width.
+tool_mask`). The engine's logprobs travel as TRL's `sampling_per_token_logps` (read by the loss
+only with vLLM). A generation batch is the shard padded to its own longest row (TRL pads a
+generation batch to its longest); micro-batches keep that width.
 
-Data-parallel shards run in one process: TRL's DDP averages the gradients of W ranks that
-each normalise by `num_items_in_batch / W` (dapo), which equals the in-process sum of the
-shards' losses normalised by `num_items_in_batch` with `num_processes = 1`.
+Data-parallel shards run in one process, one emulated rank each: its own buffer and micro-step
+counter of `_prepare_inputs` (`_buffered_inputs`, `_step`), `num_items_in_batch` divided by the
+world size (a rank's dapo normaliser is the global count over `num_processes`, which is 1 here)
+and each rank's backward scaled by 1 / world (DDP's gradient mean).
 
-Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` -> per_device_train_batch_size,
-`lr`, `clip_low`/`clip_high` -> `epsilon`/`epsilon_high`, `kl_coef` -> `beta`, `max_grad_norm`,
-`seed`; `dtype` bfloat16 -> `bf16=True`, float32 -> `bf16=False`, since TRL's default `bf16=True`
-autocasts an fp32 model to bf16); one `train` is one optimizer step over a generation batch of
-`per_device_train_batch_size x steps_per_generation` rows (`gradient_accumulation_steps =
-steps_per_generation`). TRL needs the generation batch to be a multiple of the micro-batch
-size; where it is not, the micro-batch size is the largest divisor of the shard's rows that is
-<= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the global RNG; the adapter seeds
-it per (step, shard) from `seed` inside a forked RNG, so both trainer paths shuffle alike.
-Settings TRL has no counterpart for (`max_seq_len`, `max_tokens_per_micro_batch`) are declared
-as such (`SETTINGS_UNSUPPORTED`, the trainer factory's `settings_unsupported`) and raise
-ValueError naming the field if given anyway.
+Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
+per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
+bfloat16 -> `bf16=True`, float32 -> `bf16=False`, since TRL's default `bf16=True` autocasts an
+fp32 model to bf16); one `train` is every optimizer step of a generation batch (the point's
+epochs = `num_iterations`) of `per_device_train_batch_size x steps_per_generation` rows
+(`gradient_accumulation_steps = steps_per_generation`). TRL needs the generation batch to be a
+multiple of the micro-batch size; where it is not, the micro-batch size is the largest divisor
+of the shard's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
+global RNG; the adapter seeds it per (step, shard) from `seed` inside a forked RNG, so both
+trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
+`max_tokens_per_micro_batch`) are declared as such (`SETTINGS_UNSUPPORTED`, the trainer
+factory's `settings_unsupported`) and raise ValueError naming the field if given anyway.
 
 The policy is built from the family's config, saved with its processor, and reloaded from that
 folder, because with `beta > 0` TRL reloads the reference model from `config._name_or_path`.
 
 No rollout surface: TRL's own generation (`GRPOTrainer._generate`, transformers `generate`)
-returns no per-token logprobs; only its vLLM path does, and vLLM is a separate backend.
+returns no per-token logprobs; only its vLLM path does, and vLLM is a separate backend. No
+batch_ops surface (see `_NOTES`); `TRLBatchOps` runs TRL's micro-batch helpers on a Batch for
+tests/test_backends_trl.py.
 """
 
 from __future__ import annotations
@@ -594,7 +584,8 @@ _NO_OP = ("TRL {v} has no {what} of its own to wrap (GRPOTrainer pads prompts an
 
 
 class TRLBatchOps:
-    """`micro_batches` through TRL's own helpers (capability `micro_batching`).
+    """`micro_batches` through TRL's own helpers, for tests/test_backends_trl.py (not a declared
+    surface: TRL's split runs inside the trainer surface's step, see `_NOTES["batch_ops"]`).
 
     The batch becomes TRL's generation-batch dict: tensors as they are, object columns as
     per-row lists (TRL moves any per-row list with its row), image media as the model-input
