@@ -987,7 +987,7 @@ def _recompute(backend, transport, codec, meta_cls, device, dtype, record_metric
     for k, v in seen.items():  # a scalar, or one value per optimizer step
         record_metric(k, v[0] if len(v) == 1 else v)
     if cfg.optimizer_steps > 1:
-        assert shift > 10 * LATER_STEP_LOG_RATIO_TOL[dtype], f"test setup ({point}): the " \
+        assert shift > MOVED_OVER_TOL * LATER_STEP_LOG_RATIO_TOL[dtype], f"test setup ({point}): the " \
             f"first step moved no logprob by more than {shift:.3g}: a later step's ratio is 1"
     assert not bad, f"the step ({point}: {cfg.changes() or 'the default point'}) differs " \
         f"from an autograd recompute of its objective on an independent copy of the model " \
@@ -1052,7 +1052,7 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
                                      device, False)
         moved = _moved(terms, rows, plan)
         record_metric(f"later_step_{s + 1}_logprob_change_max", moved)
-        assert moved > 4 * tol, f"test setup ({point}): by step {s + 1} the policy moved no " \
+        assert moved > MOVED_OVER_TOL * tol, f"test setup ({point}): by step {s + 1} the policy moved no " \
             f"loss token's logprob by more than {moved:.3g}: its ratio is still the first step's"
         want_log = []
         for t in terms:
@@ -1089,6 +1089,11 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
 
 
 LATER_STEP_LR = 1e-3
+# a later step's regime: the first update moved some loss token's logprob by this many times the
+# log-ratio tolerance, so a ratio left at the first step's value is off by more than the
+# tolerance (bf16 at tiny width: moved 0.24 nats against 0.125; the row-by-row forward agrees
+# with the trainer's to 5e-8 there)
+MOVED_OVER_TOL = 1.5
 
 
 def _split_rows(flat: Tensor, terms: list[RowTerms]) -> list[Tensor]:
