@@ -903,6 +903,28 @@ def _moved(terms: list[RowTerms], rows, plan: Design) -> float:
         default=0.0)
 
 
+def _relative_to(terms: list[RowTerms], rows, plan: Design, base: dict) -> list[RowTerms]:
+    """`terms` with the design applied to the independent copy's own logprobs at the initial
+    weights (`base`: row -> its loss tokens' logprobs there) instead of the trainer's stored
+    columns: prev = base - ln r, reference = base - d, generation = prev - ln q. The trainer's
+    train logprobs equal its prev pass's bitwise (TRAIN-RATIO-ONE), so what it sees is exactly
+    the design; taken from the stored columns, the recompute's ratios would also carry the
+    row-by-row forward's disagreement with the batched one (bf16: up to 0.06 nats at production
+    widths), enough to move a ratio across a clip bound or out of GSPO's 4e-4 range."""
+    out = []
+    for i, t in zip(rows, terms):
+        n = t.logp.numel()
+        ks = range(n)
+        prev = base[i][:n] - torch.tensor([math.log(plan.ratios[i, k]) for k in ks],
+                                          dtype=torch.float64)
+        ref = None if plan.kl is None else base[i][:n] - torch.tensor(
+            [plan.kl[i, k] for k in ks], dtype=torch.float64)
+        gen = None if plan.is_weights is None else prev - torch.tensor(
+            [math.log(plan.is_weights[i, k]) for k in ks], dtype=torch.float64)
+        out.append(RowTerms(t.adv, t.logp, prev, ref, gen, t.entropy))
+    return out
+
+
 def _optimizer_steps(st: Step, cfg: LossConfig) -> list:
     """The driver-visible result of each optimizer step (StepResult-like), in order."""
     steps = st.out.extra.get("optimizer_steps")
@@ -944,15 +966,26 @@ def _recompute(backend, transport, codec, meta_cls, device, dtype, record_metric
         f"{len(st.optimizer)} optimizer steps were taken on trainer.model's parameters for " \
         f"a batch that takes {cfg.optimizer_steps}"
     bad, shift, seen = [], 0.0, {}
+    base: dict[int, Tensor] = {}  # row -> the copy's own logprobs at the initial weights
+    if cfg.optimizer_steps > 1:
+        with torch.no_grad():
+            start = _recomputed_rows(model, fam, batch, prompts, images, st, range(len(batch)),
+                                     dtype, device, False)
+        base = {i: t.logp.double() for i, t in enumerate(start)}
     for s, rows in enumerate(_step_rows(cfg, len(batch))):
         if s:  # from the trainer's own weights before this step
             model.load_state_dict(st.optimizer[s].weights)
         model.zero_grad(set_to_none=True)
         terms = _recomputed_rows(model, fam, batch, prompts, images, st, rows, dtype, device,
                                  bool(cfg.entropy_coef))
-        tokens = sum(t.logp.numel() for t in terms)
+        for i, t in zip(rows, terms):
+            base.setdefault(i, t.logp.detach().double())
         if s:
-            shift = max(shift, _moved(terms, rows, plan))
+            shift = max(shift, max((float((t.logp.detach().double() - base[i]).abs().max())
+                                    for i, t in zip(rows, terms) if t.logp.numel()),
+                                   default=0.0))
+        terms = _relative_to(terms, rows, plan, base)
+        tokens = sum(t.logp.numel() for t in terms)
         loss, mass = objective(terms, cfg, tokens, len(rows))
         loss.backward()
         want = {name: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
