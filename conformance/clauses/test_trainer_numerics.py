@@ -4,16 +4,23 @@ TRAIN-LEGACY-PARITY compares a backend with itself (data plane vs in memory), so
 code both paths share is invisible there. These clauses take their expected values elsewhere:
 - TRAIN-SPLIT-INVARIANCE: the same step cut into other micro-batches and data-parallel shards
   (a split-dependent aggregation cannot agree with itself);
-- TRAIN-LOSS-CLOSED-FORM: the stored prev logprobs are the trainer's own shifted by chosen
-  per-token offsets, so every ratio is a known number (both clip bounds crossed, both advantage
-  signs), and the loss and its gradient w.r.t. the logits follow by plain arithmetic here;
-- TRAIN-GRAD-RECOMPUTE: the written-out token-mean clipped loss, through plain autograd, on an
-  independent copy of the initial model fed from the processor's output row by row.
+- TRAIN-LOSS-CLOSED-FORM: the stored prev (reference, generation) logprobs are the trainer's own
+  shifted by chosen per-token offsets, so every ratio, KL offset and importance weight is a
+  known number, and the loss and its gradient w.r.t. the logits follow by plain arithmetic here;
+- TRAIN-GRAD-RECOMPUTE: the written-out objective, through plain autograd, on an independent
+  copy of the model fed from the processor's output row by row, for every optimizer step;
+- TRAIN-RATIO-LATER-STEPS: a later optimizer step's ratio against an independent forward of
+  the weights the trainer had before that step.
+Each runs at the default point and at the points of the GRPO configuration grid
+(catalogue_trainer.GRID, docs/grpo-configurations.md) the backend declares; every grid case
+first asserts that its input is in the regime where its option changes the answer
+(`assert_regime`), and `objective` writes each point out once, row by row, in float64.
 
 Only the trainer surface is used: `backend.trainer(settings, transport, codec)` with
 `compute_logprobs`, `train` (through the reference driver step), `model` (watched with hooks:
-its logits and the gradients accumulated into its parameters) and `state_dict`. Completions
-run to different lengths, one row has none, so every aggregation choice shows.
+its logits, the gradients accumulated into its parameters, and through torch's global optimizer
+step hooks the gradient and weights of every optimizer step) and `state_dict`. Completions run
+to different lengths, one row has none, so every aggregation choice shows.
 """
 
 from __future__ import annotations
