@@ -37,6 +37,15 @@ def _trainer(*args, **kwargs):
     return make_trainer(*args, **kwargs)
 
 
+def _loss_options(config):
+    from rlconform.conformance.backends.reference_trainer import loss_options
+
+    return loss_options(config)
+
+
+_trainer.loss_options = _loss_options  # every point of the GRPO family (reference_trainer.py)
+
+
 def _rollout(*args, **kwargs):
     from rlconform.conformance.backends.reference_trainer import make_rollout
 
