@@ -497,6 +497,12 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         if error or "error" in r:
             row["error"] = error or r["error"]
         rows[name] = row
+        # what is finished so far, kept if the run is cut short (a GPU call's time limit)
+        partial = report_dir / "mutants" / "kill_matrix.partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        write_text(partial, json.dumps({"complete": False, "regime": _regime(extra),
+                                        "finished": len(rows), "of": len(names),
+                                        "mutants": list(rows.values())}, indent=2) + "\n")
         if on_result is not None:
             on_result(row, len(rows), len(names), time.time() - t0)
 
@@ -560,6 +566,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     out = report_dir / "mutants"
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
+    (out / "kill_matrix.partial.json").unlink(missing_ok=True)
     return matrix
 
 
