@@ -882,9 +882,13 @@ def _recomputed_rows(model, fam, batch, prompts, images, st: Step, rows, dtype, 
     its completion tokens) beside the step's stored columns."""
     plen, lens = batch["prompt_lengths"].tolist(), batch["input_lengths"].tolist()
     out = []
+
+    def on(t: Tensor | None) -> Tensor | None:  # the stored columns beside the copy's logprobs
+        return None if t is None else t.to(device)
+
     for i in rows:
         k = lens[i] - plen[i]
-        prev = _stored(st, "prev_logprobs", batch, i)
+        prev = on(_stored(st, "prev_logprobs", batch, i))
         assert prev is not None, f"no prev_logprobs were stored for row {i}"
         if k == 0:
             out.append(RowTerms(ADVANTAGES[i], prev[:0], prev))
@@ -895,8 +899,8 @@ def _recomputed_rows(model, fam, batch, prompts, images, st: Step, rows, dtype, 
         lz = torch.log_softmax(logits[plen[i] - 1:lens[i] - 1], dim=-1)
         logp = lz.gather(-1, inputs["input_ids"][0, plen[i]:lens[i], None]).squeeze(-1)
         out.append(RowTerms(ADVANTAGES[i], logp, prev,
-                            _stored(st, "reference_logprobs", batch, i),
-                            _stored(st, "generation_logprobs", batch, i),
+                            on(_stored(st, "reference_logprobs", batch, i)),
+                            on(_stored(st, "generation_logprobs", batch, i)),
                             -(lz.exp() * lz).sum(-1) if entropy else None))
     return out
 
@@ -906,8 +910,8 @@ def _moved(terms: list[RowTerms], rows, plan: Design) -> float:
     (stored prev + ln r)|): a later step's ratio differs from the first step's by exp of it."""
     return max((float((t.logp.detach().double() - t.prev - torch.tensor(
         [math.log(plan.ratios[i, k]) for k in range(t.logp.numel())],
-        dtype=torch.float64)).abs().max()) for i, t in zip(rows, terms) if t.logp.numel()),
-        default=0.0)
+        dtype=torch.float64, device=t.logp.device)).abs().max())
+        for i, t in zip(rows, terms) if t.logp.numel()), default=0.0)
 
 
 def _relative_to(terms: list[RowTerms], rows, plan: Design, base: dict) -> list[RowTerms]:
@@ -922,12 +926,12 @@ def _relative_to(terms: list[RowTerms], rows, plan: Design, base: dict) -> list[
     for i, t in zip(rows, terms):
         n = t.logp.numel()
         ks = range(n)
-        prev = base[i][:n] - torch.tensor([math.log(plan.ratios[i, k]) for k in ks],
-                                          dtype=torch.float64)
+        f64 = {"dtype": torch.float64, "device": base[i].device}  # the copy's device (CUDA)
+        prev = base[i][:n] - torch.tensor([math.log(plan.ratios[i, k]) for k in ks], **f64)
         ref = None if plan.kl is None else base[i][:n] - torch.tensor(
-            [plan.kl[i, k] for k in ks], dtype=torch.float64)
+            [plan.kl[i, k] for k in ks], **f64)
         gen = None if plan.is_weights is None else prev - torch.tensor(
-            [math.log(plan.is_weights[i, k]) for k in ks], dtype=torch.float64)
+            [math.log(plan.is_weights[i, k]) for k in ks], **f64)
         out.append(RowTerms(t.adv, t.logp, prev, ref, gen, t.entropy))
     return out
 
@@ -1100,7 +1104,7 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
             if cfg.ratio_level == "sequence" and lr.numel():
                 lr = lr.mean().expand(lr.numel())
             want_log.append(lr)
-        want_log = torch.cat(want_log)
+        want_log = torch.cat(want_log).cpu()  # beside the step's metrics
         sides = {(t.adv > 0, "above" if x > math.log(hi) else "below" if x < math.log(lo)
                   else "inside") for t, lr in zip(terms, _split_rows(want_log, terms))
                  for x in lr.tolist()}
