@@ -1020,8 +1020,19 @@ def _recompute(backend, transport, codec, meta_cls, device, dtype, record_metric
             seen.setdefault(k, []).append(v)
         if missing and any(bool((want[k] != 0).any()) for k in missing):
             bad.append(f"{tag}: no gradient reached {missing[:4]}")
-        if not dl <= CLOSED_FORM_LOSS_RTOL * mass:
-            bad.append(f"{tag}: loss {res.loss:.9g} vs recompute {float(loss):.9g}")
+        bound = CLOSED_FORM_LOSS_RTOL * mass
+        if s:
+            # after the first step the loss depends on the train pass's own logprobs, which
+            # the recompute takes from a row-by-row forward (other kernels than the trainer's
+            # batched one: TRAIN-RATIO-LATER-STEPS' tolerance per log ratio, times how fast the
+            # surrogate moves with it; measured at production width in bf16 on an H200: step
+            # 2's loss 4.38497537 vs 4.38521441 for Qwen2-VL-2B at epochs-2)
+            slope = sum(abs(t.adv) * float((t.logp.detach().double() - t.prev).exp().sum())
+                        for t in terms) / max(tokens, 1)
+            bound += 2 * LATER_STEP_LOG_RATIO_TOL[dtype] * slope
+        if not dl <= bound:
+            bad.append(f"{tag}: loss {res.loss:.9g} vs recompute {float(loss):.9g} "
+                       f"(|diff| {dl:.3g} > {bound:.3g})")
         if not dn <= GRAD_RTOL[dtype]:
             bad.append(f"{tag}: grad norm {res.grad_norm:.9g} vs recompute {want_norm:.9g} "
                        f"(relative {dn:.3g} > {GRAD_RTOL[dtype]:g})")
