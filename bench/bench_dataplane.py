@@ -548,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         args.grpo_dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda but torch.cuda.is_available() is False")
+    if args.backend:
+        # load it before measuring anything: an import error is reported in seconds, not after
+        # minutes of the other sections
+        args.loaded_backend = _load_or_exit(args.backend)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cores; sections: {', '.join(sorted(sections))}")
     doc: dict = {"config": {"samples": args.samples, "repeat": args.repeat,
@@ -657,17 +661,29 @@ def copies_section(args, sections: set[str]) -> tuple[list[dict], list[dict]]:
     return rows, checks
 
 
-def backend_section(args, wire: WireBatch, keys: list[str], payload: int
-                    ) -> dict[str, list[float]]:
+def _load_or_exit(spec: str):
+    import os as _os
+
     from rlconform.conformance.backend import load_backend
 
+    if ":" in spec and _os.getcwd() not in sys.path:
+        sys.path.insert(0, _os.getcwd())  # module:attr from the current directory
+    try:
+        backend = load_backend(spec)
+    except (LookupError, TypeError, ValueError) as exc:
+        raise SystemExit(f"bench: --backend {spec}: {exc}") from None
+    if backend.transport is None:
+        raise SystemExit(f"bench: backend {backend.name!r} provides no transport surface")
+    return backend
+
+
+def backend_section(args, wire: WireBatch, keys: list[str], payload: int
+                    ) -> dict[str, list[float]]:
     mib = payload >> 20
     # room for the payload in the stores the sessions start (their defaults are small)
     os.environ.setdefault("RLCONFORM_MOONCAKE_SEGMENT_MB", str(max(256, 3 * mib)))
     os.environ.setdefault("RLCONFORM_RAY_OBJECT_STORE_MB", str(max(1024, 4 * mib)))
-    backend = load_backend(args.backend)
-    if backend.transport is None:
-        raise SystemExit(f"backend {backend.name!r} provides no transport surface")
+    backend = getattr(args, "loaded_backend", None) or _load_or_exit(args.backend)
     out: dict[str, list[float]] = {}
     try:
         with backend.session():

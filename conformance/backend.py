@@ -52,6 +52,12 @@ REFERENCE_NAME = "reference"
 REFERENCE_SOURCE = "rlconform.conformance.backends.reference:backend"
 
 
+class StoreUnreachable(ConnectionError):
+    """Raised by a backend's `session` when the store it needs cannot be reached (a server
+    that is down, a wrong address): the run ends with this one error instead of every clause
+    failing on the same refused connection."""
+
+
 @contextlib.contextmanager
 def _no_session() -> Iterator[None]:
     yield
@@ -128,17 +134,24 @@ class Backend:
                              f"surfaces {SURFACES} nor capabilities {sorted(CAPABILITIES)}")
 
     @classmethod
-    def from_reference(cls, name: str, *, description: str = "", **overrides: Any) -> Backend:
-        """The reference backend with some parts replaced (surfaces, capabilities, session,
-        notes), under its own `name`: `Backend.from_reference("my-store", transport=MyStore)`.
+    def from_reference(cls, name: str, *, description: str = "", capabilities=(), without=(),
+                       **overrides: Any) -> Backend:
+        """The reference backend with some parts replaced (surfaces, session, notes), under its
+        own `name`: `Backend.from_reference("my-store", transport=MyStore)`.
+
+        Capabilities add up: the reference's (less those of each surface replaced: a new
+        transport declares `partitions`, `multiprocess`, ... itself) plus `capabilities`, less
+        `without` (to leave one out on purpose; say why in `notes`). CAPABILITIES lists them
+        all; docs/writing-a-transport.md says which clauses each one turns on.
         """
         if not name or name == REFERENCE_NAME:
             raise ValueError(f"a backend built from the reference needs its own name, not "
                              f"{name!r}: its report would overwrite the reference's")
-        from rlconform.conformance.backends.reference import build
+        from rlconform.conformance.backends.reference import derive
 
-        return build(name=name, description=description or f"the reference with "
-                     f"{', '.join(sorted(overrides)) or 'nothing'} replaced", **overrides)
+        return derive(name, description or f"the reference with "
+                      f"{', '.join(sorted(overrides)) or 'nothing'} replaced",
+                      capabilities, without, **overrides)
 
     @property
     def surfaces(self) -> tuple[str, ...]:

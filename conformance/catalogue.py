@@ -68,12 +68,13 @@ _DATA_PLANE_CLAUSES = [
     ),
     Clause(
         "DP-NO-ALIAS",
-        "stored data MUST NOT alias caller tensors: mutating a tensor after put, or a tensor "
-        "returned by get, MUST NOT change what a later get returns.",
+        "stored data MUST NOT alias caller tensors or tags: mutating a tensor or a tag (at any "
+        "depth) after put, or one returned by get, MUST NOT change what a later get returns.",
         "transport",
         "an in-place op on a fetched batch (e.g. a dtype cast or mask fill) corrupts the "
-        "next rank's fetch",
-        ("aliasing_put", "aliasing_get"),
+        "next rank's fetch; a driver that stamps a fetched tag's shape list changes every "
+        "later fetch of that row",
+        ("aliasing_put", "aliasing_get", "tags_shallow_copied_on_put", "tags_shared_on_get"),
     ),
     Clause(
         "DP-CONCURRENT",
@@ -107,6 +108,112 @@ _DATA_PLANE_CLAUSES = [
         B3 + "ranks rebuild flattened media from the shapes on the tags; a store that keeps "
         "sizes instead of shapes rebuilds a portrait image as landscape with no error",
         ("tag_shapes_interned_by_size",),
+    ),
+    # -- untrusted input: names, tags, layouts, empty calls, order, arguments, processes ----
+    Clause(
+        "DP-NAMES",
+        "every partition, key and field name the contract allows (any str of 1 to 1024 UTF-8 "
+        "bytes without NUL: separators, whitespace, glob characters, bookkeeping names, any "
+        "script, the longest) MUST be stored, listed, fetched and cleared as exactly itself, "
+        "and every other name MUST be refused by put, get, list and clear with a TypeError or "
+        "ValueError naming the argument, changing nothing.",
+        "transport",
+        "rollout uids, prompt ids and user-chosen partition names reach the store unchecked; a "
+        "store that trims, truncates or normalises names returns another key's row, and one "
+        "that accepts the empty string or NUL loses it in a C string API",
+        ("names_trimmed", "long_names_truncated", "refused_names_accepted"),
+    ),
+    Clause(
+        "DP-NAME-ISOLATION",
+        "partitions and keys whose names share prefixes or separators (p:a/b and p/a:b for "
+        "every separator, p and pp, p and p*, p and P, a composed and a decomposed letter) "
+        "MUST hold, list and clear only their own rows.",
+        "transport",
+        "a store that joins partition and key with a separator, or lists and clears a "
+        "partition by a prefix scan, hands one partition's rows to another and clears them "
+        "with it (found in an out-of-tree Redis transport that passed every other clause)",
+        ("names_joined_with_separator", "partition_list_by_prefix",
+         "partition_names_case_folded"),
+        capabilities=("partitions",),
+    ),
+    Clause(
+        "DP-TAG-VALUES",
+        "every value a tag may hold (dicts with str or int keys; None, bool, int64, float "
+        "including nan, +-inf and -0.0, str, list, tuple, nested) MUST come back exactly, "
+        "types included, and anything else MUST be refused at put with a TypeError or "
+        "ValueError, storing nothing.",
+        "transport",
+        "a store that serialises tags as JSON returns tuples as lists and int keys as str; one "
+        "that keeps floats in float32 or accepts a value other stores cannot carry changes "
+        "what a consumer rebuilds from its tags",
+        ("tags_through_json", "tag_floats_as_float32", "refused_tags_accepted"),
+    ),
+    Clause(
+        "DP-LAYOUT-CONFLICT",
+        "a put of a field already stored in the partition in another layout (dense vs jagged, "
+        "dtype, row shape, 1-D vs (N, 1)) MUST raise ValueError naming the field and store "
+        "nothing of that put.",
+        "transport",
+        "a store that records the layout per key changes the layout of rows written earlier "
+        "without a word; one that checks while it writes leaves half a put behind",
+        ("layout_replaced_on_reput", "partial_put_on_layout_conflict"),
+    ),
+    Clause(
+        "DP-EMPTY",
+        "calls with no keys MUST have the contract's result: get returns each field as an "
+        "empty column in its stored layout and no tags (KeyError for a field or partition not "
+        "stored), put stores nothing, clear removes nothing, and a partition whose keys were "
+        "all cleared lists [].",
+        "transport",
+        "an image-free or empty data-parallel shard asks for no keys; a store that crashes, "
+        "returns no columns or a (0,) float column, or treats an empty key list as 'all keys' "
+        "(clear(p, []) clearing the partition) breaks the step on an empty shard",
+        ("get_of_no_keys_returns_nothing", "empty_get_loses_layout",
+         "clear_of_no_keys_clears_partition"),
+    ),
+    Clause(
+        "DP-ORDER",
+        "get MUST return each key's own row of every column and its own tag for keys asked in "
+        "any order and subset: reversed, shuffled with the ends in place, interleaved across "
+        "puts.",
+        "transport",
+        "ranks fetch DP-balanced shards whose key order is not the put order; a store that "
+        "copies a stored block when the first and last keys line up, or groups rows by the put "
+        "that wrote them, hands rows to the wrong sample",
+        ("contiguous_span_checked_at_ends", "rows_grouped_by_put"),
+    ),
+    Clause(
+        "DP-ARGS-INTACT",
+        "put and get MUST leave their arguments as they were: the keys list, the columns dict "
+        "and every tensor's bits, the tags at every depth, and select_fields.",
+        "transport",
+        "a caller reuses its key list, columns and tags after a put (the driver keeps the meta, "
+        "the rollout its batch); a store that sorts them in place or stamps its records into "
+        "the caller's tags changes the caller's batch",
+        ("put_sorts_caller_keys", "get_sorts_select_fields", "put_stamps_caller_tags"),
+    ),
+    Clause(
+        "DP-MULTIPROCESS",
+        "the store reopened by its address in another process MUST return exactly what this "
+        "process put (columns, adversarial names, tags), and this process MUST read exactly "
+        "what the other put.",
+        "transport",
+        "the rollout worker puts, the driver and the ranks get, each in its own process; a "
+        "client that serialises tags or names differently between processes, or opens a fresh "
+        "store, loses them between the two",
+        ("peer_tags_via_json", "address_opens_fresh_store"),
+        capabilities=("multiprocess",),
+    ),
+    Clause(
+        "DP-CLEAN-SLATE",
+        "clear of a partition MUST leave nothing of it (list empty, get raises KeyError, a "
+        "later put of the same keys starts fresh: no stale tags, any layout), so that a run "
+        "ends with the store as it found it.",
+        "transport",
+        "persistent stores outlive the run: five runs of the suite left 5,683 keys (52 MB) in "
+        "a Redis server; a clear that drops rows but keeps tags or layouts merges stale tags "
+        "into the next step's rows",
+        ("clear_keeps_tags", "clear_keeps_layouts"),
     ),
     # -- codec ----------------------------------------------------------------------------
     Clause(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rlconform.reference_impl.loss import LossConfig
+
 from .clause import Clause
 
 B3 = "BACKGROUND.md s3: "
@@ -106,6 +108,72 @@ CLOSED_FORM_LOSS_RTOL = 1e-5
 # <= 2.0e-7 fp32, <= 2.2e-3 bf16. A missing softmax term is an L1 error ~0.5.
 LOGIT_GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6}
 
+# -- the GRPO configuration grid (docs/grpo-configurations.md) -----------------------------
+# Points of the objective family the numerics clauses run beside the default point, each
+# changing one thing (so a failure names its axis), at values real runs use. The clause tests
+# put each point's input in the regime where its option changes the answer and assert that
+# first: ratios on both sides of both (asymmetric) bounds for both advantage signs, a
+# reference that differs from the policy, importance weights on both sides of the cap, rows
+# with different numbers of loss tokens (one none), a second optimizer step where the ratio
+# is not 1, a gradient norm above the clip.
+GRID: dict[str, LossConfig] = {
+    # DAPO's clip-higher (Yu et al. 2025): epsilon 0.2 low, 0.28 high
+    "clip-higher": LossConfig(clip_low=0.2, clip_high=0.28),
+    # dual clip (Ye et al. 2020; TRL `delta` from INTELLECT-2, verl `clip_ratio_c`), > 1 + eps
+    "dual-clip": LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.8),
+    # GSPO (Zheng et al. 2025) with its paper's clip range 3e-4 / 4e-4
+    "gspo": LossConfig(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+    # KL(policy || reference) in the loss, each estimator (Schulman 2020; verl kl_loss_type)
+    "kl-k1": LossConfig(kl_coef=0.1, kl_estimator="k1"),
+    "kl-k2": LossConfig(kl_coef=0.1, kl_estimator="k2"),
+    "kl-k3": LossConfig(kl_coef=0.1, kl_estimator="k3"),
+    # k3 times the ratio (DeepSeek-V3.2; TRL's default `use_bias_correction_kl=True`)
+    "kl-k3-ratio-weighted": LossConfig(kl_coef=0.1, kl_estimator="k3", kl_ratio_weighted=True),
+    # aggregations: GRPO's sequence mean of token means (TRL `grpo`), sequence mean of token
+    # sums (TRL `luspo`), Dr. GRPO's constant normaliser (TRL `dr_grpo`, L = 8 > any completion)
+    "seq-mean-token-mean": LossConfig(aggregation="seq-mean-token-mean"),
+    "seq-mean-token-sum": LossConfig(aggregation="seq-mean-token-sum"),
+    "constant-normalizer": LossConfig(aggregation="constant", constant_normalizer=8.0),
+    # truncated importance sampling on exp(prev - gen) (NeMo-RL, verl, TRL's vLLM correction)
+    "truncated-is": LossConfig(is_cap=2.0),
+    # TRL's entropy bonus
+    "entropy-bonus": LossConfig(entropy_coef=0.01),
+    # gradient-norm clipping below the step's norm
+    "grad-clip": LossConfig(max_grad_norm=0.05),
+    # several optimizer steps per generation batch (PPO epochs: TRL num_iterations; and
+    # mini-batches: verl ppo_mini_batch_size), where the second step's ratio is not 1
+    "epochs-2": LossConfig(epochs=2),
+    "mini-batches-2": LossConfig(mini_batches=2),
+}
+# which points each clause runs (every one where its option can change what the clause sees)
+CLOSED_FORM_POINTS = tuple(p for p, c in GRID.items()
+                           if c.optimizer_steps == 1 and c.max_grad_norm is None)
+RECOMPUTE_POINTS = tuple(GRID)
+SPLIT_POINTS = ("seq-mean-token-mean", "seq-mean-token-sum", "constant-normalizer",
+                "entropy-bonus")
+LATER_STEP_POINTS = tuple(p for p, c in GRID.items() if c.optimizer_steps > 1)
+# the ratio chosen for the k-th completion token of each row at the grid's token-level points
+# (k mod 6): beyond both bounds of [0.72, 1.28], in the asymmetric bands (1.2, 1.28) and
+# (0.72, 0.8) that only clip-higher leaves unclipped, and inside
+GRID_RATIOS = (2.0, 0.5, 1.25, 0.75, 1.1, 0.9)
+# the same at the points with several optimizer steps: beyond both bounds, and at 1 (three in
+# six), so that after the first update moves every logprob a little, tokens still lie inside
+# the clip range and beyond it on both sides
+LATER_RATIOS = (2.0, 1.0, 0.5, 1.0, 3.0, 1.0)
+# logp - reference per completion token (k mod 6) at the KL points: both signs, none zero
+KL_OFFSETS = (0.5, -0.4, 0.2, -0.7, 1.0, -0.3)
+# exp(prev - gen) per completion token (k mod 6) at the truncated-IS point: both sides of 2
+IS_WEIGHTS = (3.0, 0.5, 1.5, 4.0, 0.8, 2.5)
+# GSPO: the sequence ratio (geometric mean) each row gets, taken in turn by the rows of each
+# advantage sign: positive rows 1.5, 0.6, 1.0001, negative rows 1.6, 0.5, 1.0001 (above, below,
+# inside the 3e-4 / 4e-4 range); every token's own ratio is that times 1.1 or 1 / 1.1 in pairs,
+# so the product of a row's token ratios is not its geometric mean
+GSPO_ROW_RATIOS = (1.5, 1.6, 0.6, 0.5, 1.0001, 1.0001)
+# TRAIN-RATIO-LATER-STEPS: the later step's ratio against exp(logp_now - prev), logp_now from
+# an independent row-by-row forward of the trainer's weights before that step (other kernels
+# than the trainer's batched forward: TRUNCATION_LOGPROB_TOL's regime), in log space
+LATER_STEP_LOG_RATIO_TOL = TRUNCATION_LOGPROB_TOL
+
 _BITWISE = ("bitwise: same weights, and every pass splits a shard into the same micro-batches "
             "(members, order, padding are a function of the sequence lengths and settings), "
             "eager attention; CPU and CUDA, fp32 and bf16")
@@ -190,7 +258,9 @@ TRAINER_CLAUSES: list[Clause] = [
         "One step's loss, grad norm, per-parameter gradients and weight update MUST NOT "
         "depend on how the step is cut: one micro-batch, micro-batches of 1 and 2, a token "
         "budget, 2 and 3 data-parallel ranks, on a batch whose rows hold different numbers of "
-        "loss tokens (one none); and a row's prev logprobs MUST NOT depend on its micro-batch.",
+        "loss tokens (one none); and a row's prev logprobs MUST NOT depend on its micro-batch. "
+        "The same holds at every grid point whose normaliser a split could change (the "
+        "sequence-mean and constant-normaliser aggregations, the entropy bonus).",
         "trainer",
         "a loss normalised per micro-batch (the transformers gradient-accumulation bug, fixed "
         "in 4.46: right only when every micro-batch has the same token count), gradients "
@@ -198,7 +268,8 @@ TRAINER_CLAUSES: list[Clause] = [
         "the wrong axis live in code both trainer paths share: TRAIN-LEGACY-PARITY cannot "
         "see them",
         ("loss_mean_per_micro_batch", "dp_grad_wrong_divisor", "advantage_wrong_axis",
-         "dynamic_batching_misaligns_media"),
+         "dynamic_batching_misaligns_media", "seq_mean_per_micro_batch",
+         "constant_normalizer_from_padded_width"),
         regime="not bitwise in general: the loss and gradient sums run in another order per "
         "split. Loss: |diff| <= 2 gamma_2N sum|l_t| / N (float32 reordering bound, Higham "
         "s4.2; N loss tokens; measured <= 4.4e-8 sum|l_t| / N). Grad norm and per-parameter "
@@ -217,7 +288,12 @@ TRAINER_CLAUSES: list[Clause] = [
         "shape) get TRAIN-TRUNCATION-MEDIA's logprob tolerance. At production width the "
         "clause runs 5 of its 7 splits (one micro-batch, micro-batches of 1, a token budget, "
         "3 ranks x micro-batches of 1, 2 ranks x a token budget): every kind of cut its "
-        "mutants need, without the two repeats at other sizes.",
+        "mutants need, without the two repeats at other sizes; the grid points run those 5 "
+        "everywhere, on the text family (the normalisers do not depend on media). Points with "
+        "several optimizer steps are left out: a later step starts from the first step's "
+        "update, which agrees across splits only within the update tolerance "
+        "(TRAIN-RATIO-LATER-STEPS and TRAIN-GRAD-RECOMPUTE check them from the trainer's own "
+        "weights instead).",
     ),
     Clause(
         "TRAIN-LOSS-CLOSED-FORM",
@@ -227,14 +303,22 @@ TRAINER_CLAUSES: list[Clause] = [
         "1 + 0.2) A), and the gradient w.r.t. the logits at the position predicting each "
         "loss token MUST be (1/N) dl/dlogp (onehot(y) - softmax(z)), and exactly 0 at every "
         "other position (prompt, padding, clipped tokens): both computed by plain arithmetic "
-        "in the test.",
+        "in the test. At every single-step grid point (clip-higher, dual clip, GSPO, KL with "
+        "k1 / k2 / k3 and ratio-weighted k3 against a reference that differs from the policy, "
+        "the three other aggregations, truncated importance sampling, entropy bonus) the step "
+        "loss and the logit gradient MUST be those of the point's written-out objective, "
+        "evaluated in float64 on the trainer's own logits and the stored columns.",
         "trainer",
         "sequence-mean instead of token-mean aggregation and a clip applied as "
         "min(ratio, 1 + eps) only are invariant to every split and invisible at ratio 1; a "
         "token-logprob gather that detaches its log-normaliser gives the right values "
         "(ratio 1) and a gradient without the -softmax term",
         ("sequence_mean_loss", "clip_upper_only", "logprob_detached_normalizer",
-         "loss_mean_per_micro_batch", "advantage_wrong_axis", "forced_ratio_after_recompute"),
+         "loss_mean_per_micro_batch", "advantage_wrong_axis", "forced_ratio_after_recompute",
+         "clip_bounds_swapped", "dual_clip_on_positive_advantages", "sequence_ratio_product",
+         "kl_estimator_ignored", "kl_k3_reversed", "kl_ratio_weight_detached",
+         "seq_mean_excludes_empty_rows", "constant_normalizer_from_padded_width",
+         "is_cap_on_policy_ratio", "entropy_unmasked"),
         regime="not bitwise: the ratio comes from a float32 prev (logp - ln r). Loss: "
         f"|diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (float32 rounding of prev at "
         "|logp| ~ 6 is ~4e-7 per token; measured <= 3.3e-8). probs_ratio: the chosen r within "
@@ -242,7 +326,17 @@ TRAINER_CLAUSES: list[Clause] = [
         f"{LOGIT_GRAD_RTOL[torch.float32]:g} fp32, <= {LOGIT_GRAD_RTOL[torch.bfloat16]:g} "
         "bf16 (formed in float32, cast once to bf16 for a bf16 model; measured 2.0e-7, "
         "2.2e-3); exactly 0 (bitwise) where the loss has no gradient. Assumes "
-        "TRAIN-RATIO-ONE (train logprobs equal the prev pass's bitwise).",
+        "TRAIN-RATIO-ONE (train logprobs equal the prev pass's bitwise). Grid points: the "
+        "stored prev (and reference, generation) columns are the trainer's own prev shifted "
+        "per token, so every ratio, KL offset and importance weight is a chosen number; each "
+        "point's test first asserts its regime (the ratios on both sides of both bounds for "
+        "both advantage signs and in the asymmetric bands, a negative-advantage ratio above the "
+        "dual clip, sequence ratios on both sides and inside, reference != policy on every "
+        "token, weights on both sides of the cap, rows of unequal token counts with one empty, "
+        "an entropy term larger than the tolerance); loss and logit gradient are then the "
+        "float64 autograd of the written-out objective on the captured logits, with the same "
+        "tolerances. A point the backend does not declare (trainer factory `loss_options`) is "
+        "not applicable, its message naming the point and the backend's reason.",
     ),
     Clause(
         "TRAIN-GRAD-RECOMPUTE",
@@ -250,18 +344,60 @@ TRAINER_CLAUSES: list[Clause] = [
         "ratios as in TRAIN-LOSS-CLOSED-FORM) MUST equal plain autograd of the written-out "
         "token-mean clipped loss on an independent copy of the initial model, fed row by row "
         "from the processor's output with the completion appended (no batching, no padding, "
-        "no trainer code).",
+        "no trainer code). At every grid point the same holds for the point's objective, and "
+        "for every optimizer step of the batch (epochs, mini-batches): step k's loss, grad "
+        "norm and the gradient the optimizer applies (after gradient-norm clipping) MUST equal "
+        "the recompute on the trainer's own weights before step k.",
         "trainer",
         "every defect between the logprobs and the optimizer (aggregation, clipping, "
         "advantage broadcast, gather gradient, gradient reduction over ranks) shared by "
         "both trainer paths; gradients averaged over ranks with the wrong divisor are hidden "
         "from the weights by Adam's scale invariance",
         ("dp_grad_wrong_divisor", "sequence_mean_loss", "clip_upper_only",
-         "logprob_detached_normalizer", "loss_mean_per_micro_batch", "advantage_wrong_axis"),
+         "logprob_detached_normalizer", "loss_mean_per_micro_batch", "advantage_wrong_axis",
+         "clip_bounds_swapped", "dual_clip_on_positive_advantages", "sequence_ratio_product",
+         "kl_estimator_ignored", "kl_k3_reversed", "kl_ratio_weight_detached",
+         "seq_mean_excludes_empty_rows", "constant_normalizer_from_padded_width",
+         "is_cap_on_policy_ratio", "entropy_unmasked", "grad_clip_not_applied",
+         "old_logprobs_refreshed_per_step", "mini_batch_normalized_by_whole_batch"),
         regime="not bitwise (per-row forwards vs the trainer's micro-batches, other reduction "
         f"orders). Loss: |diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (measured 2.0e-8); "
         "grad norm and per-parameter gradients (relative L2, overall and per tensor): as "
-        "TRAIN-SPLIT-INVARIANCE (measured 6.7e-8 fp32, 3.5e-3 bf16).",
+        "TRAIN-SPLIT-INVARIANCE (measured 6.7e-8 fp32, 3.5e-3 bf16). The gradient the "
+        "optimizer applies is read by a torch optimizer step pre-hook; with gradient clipping "
+        "it must be the recompute's times min(1, max / (norm + 1e-6)), and the test first "
+        "asserts the norm exceeds the bound. Grid points with several optimizer steps run one "
+        "rank (a mini-batch is each rank's own consecutive part: its members depend on the "
+        "sharding) and assert that a later step's ratio is not 1.",
+    ),
+    Clause(
+        "TRAIN-RATIO-LATER-STEPS",
+        "When a generation batch takes several optimizer steps (PPO epochs, mini-batches), the "
+        "first step's probs_ratio MUST be exactly 1.0 (TRAIN-RATIO-ONE), and on every later "
+        "step each loss token's probs_ratio MUST be exp(logp_now - prev), logp_now the policy "
+        "after the earlier steps and prev the stored prev_logprobs (the behaviour policy, "
+        "never refreshed between steps); the step loss MUST be the clipped objective at those "
+        "ratios, clipped exactly where the formula says.",
+        "trainer",
+        "a trainer that re-runs the old-logprob pass before each mini-batch or epoch is "
+        "on-policy at every step (ratio 1, the clip never acts), and one that reuses the first "
+        "step's forward trains every epoch on stale logprobs: both pass every single-step "
+        "clause",
+        ("old_logprobs_refreshed_per_step",),
+        regime="step 1: the ratio the stored prev implies (its train logprobs are the prev "
+        "pass's, TRAIN-RATIO-ONE; the stored prev is shifted per token as in "
+        f"TRAIN-LOSS-CLOSED-FORM, rtol {RATIO_CANARY_RTOL:g}). Later steps: logp_now from an "
+        "independent row-by-row "
+        "forward of the trainer's own weights before that step (a torch optimizer step "
+        "pre-hook snapshots them), so the clip is live on both sides; log-ratio within "
+        f"{LATER_STEP_LOG_RATIO_TOL[torch.float32]:g} fp32, "
+        f"{LATER_STEP_LOG_RATIO_TOL[torch.bfloat16]:g} bf16 (TRAIN-TRUNCATION-MEDIA's "
+        "batch-variance bound); the test first asserts that the later step's ratios are not 1 "
+        "(the update moved the policy beyond that tolerance) and that tokens lie inside and "
+        "outside the clip range for both advantage signs. Step loss vs the written-out "
+        f"objective at the independent ratios: |diff| <= {CLOSED_FORM_LOSS_RTOL:g} of its "
+        "absolute mass plus the ratio tolerance's effect on it. Runs the grid points with "
+        "several optimizer steps that the backend declares.",
     ),
     Clause(
         "GEN-LOGPROB-AGREEMENT",

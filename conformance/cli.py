@@ -2,13 +2,16 @@
 and put every backend's report on one scoreboard.
 
 Exit codes: 0 success; 1 a clause failed / the gate failed / a mutant survived or its run gave no
-verdict (an error of the kill matrix); 2 usage error or an invalid report.
+verdict (an error of the kill matrix); 2 usage error or an invalid report; 69 a system the backend
+needs is not available (its store did not answer; with `--backend all`: a backend could not be
+loaded, and none that ran failed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -225,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     except (LookupError, ValueError) as exc:
         print(f"rlconform {a.cmd}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _pipe_closed()
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout went away (`rlconform gate ... | head`): no traceback, and none
+    at exit either (stdout now points at /dev/null, so the final flush has somewhere to go)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell reports for a process the closed pipe ended
 
 
 if __name__ == "__main__":

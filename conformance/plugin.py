@@ -13,6 +13,7 @@ Load it with `-p rlconform.conformance.plugin` (`rlconform run` does). It
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlconform.conformance import catalogue, gpu_memory, verdicts
-from rlconform.conformance.backend import SURFACES, Backend, load_backend
+from rlconform.conformance.backend import SURFACES, Backend, StoreUnreachable, load_backend
 from rlconform.conformance.waivers import load_expectations
 
 CLAUSE_PROP = "rlconform_clauses"
@@ -231,11 +232,19 @@ def pytest_configure(config: pytest.Config) -> None:
 def applicability(backend: Backend, clause) -> str | None:
     """Why `clause` does not apply to `backend`, or None when it does."""
     if not any(backend.provides(s) for s in clause.surfaces):
-        return f"backend provides no {' or '.join(repr(s) for s in clause.surfaces)} surface"
+        why = _noted(backend, clause.surfaces)
+        return f"backend provides no {' or '.join(repr(s) for s in clause.surfaces)} " \
+               f"surface{why}"
     lacking = [c for c in clause.capabilities if c not in backend.capabilities]
     if lacking:
-        return f"backend does not declare {lacking}"
+        return f"backend does not declare {lacking}{_noted(backend, lacking)}"
     return None
+
+
+def _noted(backend: Backend, names) -> str:
+    """': <the backend's notes on names>' (what the report's "not tested" shows), or ''."""
+    notes = [backend.notes[n] for n in names if backend.notes.get(n)]
+    return f": {'; '.join(notes)}" if notes else ""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers we add
@@ -393,8 +402,17 @@ def backend(request) -> Backend:
 @pytest.fixture(scope="session", autouse=True)
 def _backend_session(request):
     st = _state(request.config)
-    with st.backend.session():
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(st.backend.session())
+        except StoreUnreachable as exc:
+            # one run-level error, not every clause failing on the same refused connection
+            st.problems.append(f"store unreachable: {exc}")
+            st.selected = None  # no test was left out by the run: none could be judged
+            pytest.exit(f"rlconform: backend {st.backend.name!r}: the store is unreachable: "
+                        f"{exc}", returncode=STORE_UNREACHABLE_EXIT)
         yield
+        _sweep(st)
 
 
 def _surface(backend: Backend, name: str):
@@ -404,8 +422,81 @@ def _surface(backend: Backend, name: str):
 @pytest.fixture
 def transport(backend):
     t = _surface(backend, "transport")()
+    written = track_writes(t)
     yield t
-    t.close()
+    try:
+        clear_written(t, written)  # also when the test failed: a persistent store keeps nothing
+    finally:
+        t.close()
+
+
+# -- clean-up of what the clause tests wrote -----------------------------------------------------
+# partitions the `transport` fixtures of this process wrote, swept once more at session end
+_WRITTEN: set[str] = set()
+# the run's exit code when the store is unreachable: no clause could be judged (sysexits'
+# EX_UNAVAILABLE, runner.UNAVAILABLE)
+STORE_UNREACHABLE_EXIT = 69
+
+
+def track_writes(t) -> set[str]:
+    """The partitions `t.put` writes from now on (recorded before each put: one that fails
+    halfway may have stored part of its rows). The transport keeps its type: its `put` is
+    wrapped on the instance."""
+    written: set[str] = set()
+    put = t.put
+
+    def put_and_track(*args, **kwargs):
+        partition = args[0] if args else kwargs.get("partition")
+        if isinstance(partition, str):
+            written.add(partition)
+            _WRITTEN.add(partition)
+        return put(*args, **kwargs)
+
+    try:
+        t.put = put_and_track
+    except AttributeError:  # a transport whose instances take no attributes: not tracked
+        pass
+    return written
+
+
+def clear_written(t, written: set[str]) -> list[str]:
+    """Clear every partition in `written` through `t`; the partitions whose clear failed."""
+    failed = []
+    for partition in sorted(written):
+        try:
+            t.clear(partition)
+        except KeyError:
+            pass  # nothing stored there (a refused put, an earlier clear)
+        except Exception:  # noqa: BLE001 - a refused name, a closed or broken store
+            failed.append(partition)
+    return failed
+
+
+def _sweep(st: RlconformState) -> None:
+    """At the end of a run, the partitions the clause tests wrote must list nothing in the
+    store (what the run wrote it removed); any left is cleared and is a run-level problem."""
+    if not _WRITTEN or not st.backend.provides("transport"):
+        return
+    try:
+        t = st.backend.transport()
+    except Exception:  # noqa: BLE001 - the session is ending; the clauses judged the store
+        return
+    left = {}
+    try:
+        for partition in sorted(_WRITTEN):
+            try:
+                keys = t.list(partition)
+            except Exception:  # noqa: BLE001 - KeyError: gone; a refused name: never stored
+                continue
+            if keys:
+                left[partition] = len(keys)
+        clear_written(t, set(left))
+    finally:
+        t.close()
+    if left:
+        shown = ", ".join(f"{p!r} ({n} keys)" for p, n in list(left.items())[:8])
+        st.problems.append(f"the run left data in the store: {len(left)} partitions the clause "
+                           f"tests wrote still listed keys at the end ({shown}); cleared now")
 
 
 @pytest.fixture
@@ -690,7 +781,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if tr is not None:
         _print_summary(tr, report, report_dir)
     interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR,
-                                 pytest.ExitCode.INTERNAL_ERROR)
+                                 pytest.ExitCode.INTERNAL_ERROR, STORE_UNREACHABLE_EXIT)
     if interrupted:
         return
     collection_failed = session.testsfailed and not st.results

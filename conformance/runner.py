@@ -16,7 +16,8 @@ CLAUSES_PACKAGE = "rlconform.conformance.clauses"
 
 
 def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") -> list[str]:
-    args = ["-p", "rlconform.conformance.plugin", "--pyargs", CLAUSES_PACKAGE,
+    args = ["-p", "rlconform.conformance.plugin", "-p", "rlconform.conformance.progress",
+            "--pyargs", CLAUSES_PACKAGE,
             "--backend", backend, "-p", "no:cacheprovider", "-o", "addopts=",
             # libraries' UserWarnings are noise in a conformance run, except PyTorch's
             # determinism warnings: under warn_only a kernel without a deterministic
@@ -35,20 +36,67 @@ def run(backend: str = "reference", extra: list[str] | None = None,
     """One pytest session in this process; returns its exit code."""
     from rlconform.conformance.backend import load_backend
 
+    _importable_from_here(backend)
     b = load_backend(backend)
     if b.session.__name__ != "_no_session" and workers == "auto":
         workers = "0"  # a backend with its own cluster runs in one process
     return int(pytest.main(pytest_args(backend, extra or [], workers)))
 
 
+# exit code of a run whose backend could not be judged because a system it needs is not there
+# (a store that does not answer, a framework that is not installed): sysexits' EX_UNAVAILABLE
+UNAVAILABLE = 69
+
+
+def _importable_from_here(spec: str) -> None:
+    """An out-of-tree backend named by module path (`my_pkg.adapter:backend`) is imported from
+    the current directory too, as `python -m` would: here, and in every process the run starts
+    (xdist workers, rank processes, a second client), through PYTHONPATH."""
+    if ":" not in spec or spec.startswith("mutant:"):
+        return
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+
+
 def run_all(names: list[str], extra: list[str], workers: str | None) -> int:
-    codes = {}
+    """Run every backend in `names`, each in its own process. Backends that cannot be loaded
+    (a framework not installed, a checkout not given) are named with the reason and left out;
+    the rest run. Exit 1 when a backend that ran failed; else UNAVAILABLE when one could not
+    be loaded or its store was unreachable; else 0."""
+    from rlconform.conformance.backend import load_backend
+
+    unavailable: dict[str, str] = {}
+    runnable = []
     for name in names:
+        try:
+            load_backend(name)
+        except Exception as exc:  # noqa: BLE001 - any load failure: the system is not there
+            unavailable[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            runnable.append(name)
+    for name, why in unavailable.items():
+        print(f"rlconform: backend {name} not available, left out: {why}", flush=True)
+    codes = {}
+    for name in runnable:
         codes[name] = subprocess.call([sys.executable, "-m", "rlconform.conformance.cli", "run",
                                        "--backend", name, "--workers", workers or "0", *extra])
+    failed = [n for n, c in codes.items() if c not in (0, UNAVAILABLE)]
     for name, code in codes.items():
-        print(f"{name}: exit {code}")
-    return max(codes.values(), default=0)
+        what = {0: "passed", UNAVAILABLE: "not available (its store did not answer)"}.get(
+            code, "FAILED")
+        if code == UNAVAILABLE:
+            unavailable[name] = "its store did not answer"
+        print(f"{name}: {what} (exit {code})")
+    for name, why in unavailable.items():
+        if name not in codes:
+            print(f"{name}: not available (not run): {why}")
+    if failed:
+        return 1
+    return UNAVAILABLE if unavailable else 0
 
 
 # -- the mutant kill matrix ------------------------------------------------------------------
@@ -449,6 +497,12 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         if error or "error" in r:
             row["error"] = error or r["error"]
         rows[name] = row
+        # what is finished so far, kept if the run is cut short (a GPU call's time limit)
+        partial = report_dir / "mutants" / "kill_matrix.partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        write_text(partial, json.dumps({"complete": False, "regime": _regime(extra),
+                                        "finished": len(rows), "of": len(names),
+                                        "mutants": list(rows.values())}, indent=2) + "\n")
         if on_result is not None:
             on_result(row, len(rows), len(names), time.time() - t0)
 
@@ -512,6 +566,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     out = report_dir / "mutants"
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
+    (out / "kill_matrix.partial.json").unlink(missing_ok=True)
     return matrix
 
 

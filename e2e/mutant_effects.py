@@ -180,6 +180,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _runs_the_default_point(mutant) -> bool:
+    """Whether a mutant's trainer takes the default GRPO configuration (the one this step
+    runs): a mutant of another configuration axis declares only its axis's points, and a
+    default step shows nothing of it."""
+    from rlconform.reference_impl.loss import LossConfig
+
+    backend = mutant.backend()
+    options = getattr(backend.trainer, "loss_options", None) if backend.trainer else None
+    if options is None:
+        return True
+    try:
+        options(LossConfig())
+    except NotImplementedError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     from rlconform.fixtures.sizes import PRODUCTION_MODELS, SIZE_ENV
 
@@ -201,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlconform.conformance.mutants import load_all
 
     mutants = [m for m in a.mutants.split(",") if m] or sorted(
-        n for n, m in load_all().items() if m.surface in ("trainer", "rollout"))
+        n for n, m in load_all().items() if m.surface in ("trainer", "rollout")
+        and _runs_the_default_point(m))
     families = [f for f in a.families.split(",") if f]
     if os.environ.get(SIZE_ENV) == "production":
         families = [f for f in families if f in PRODUCTION_MODELS]

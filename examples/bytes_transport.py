@@ -5,8 +5,11 @@ Run it through the suite with
     nox -s conformance -- --backend examples.bytes_transport:backend
 
 (from the repository root; any importable `module:attribute` works). It shows the whole adapter
-contract: provide the surface as a factory, declare capabilities, and record at put time what
-get needs to give every column back in the layout it was written.
+contract: provide the surface as a factory, declare capabilities, record at put time what get
+needs to give every column back in the layout it was written (one layout per partition and
+field: a put in another layout is refused), and refuse the names and tags the contract refuses
+(its own validators, `check_name` / `check_tags`). examples/redis_store.py is the same on a
+persistent store; docs/writing-a-transport.md walks through both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import io
 import torch
 
 from rlconform.conformance.backend import Backend
+from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
 
 
 def _dump(t: torch.Tensor) -> bytes:
@@ -29,20 +33,36 @@ def _load(b: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(b), weights_only=True)
 
 
+def _layout(col: torch.Tensor) -> tuple:
+    trailing = tuple(col.values().shape[1:]) if col.is_nested else tuple(col.shape[1:])
+    return col.is_nested, col.dtype, trailing
+
+
 class BytesTransport:
-    """partition -> key -> field -> bytes of that key's row; one layout record per field."""
+    """partition -> key -> field -> bytes of that key's row; one layout per (partition, field)."""
 
     def __init__(self) -> None:
         self._rows: dict = {}
         self._tags: dict = {}
-        self._jagged: dict = {}  # (partition, field) -> written as a jagged nested tensor?
+        self._layouts: dict = {}  # partition -> field -> (jagged?, dtype, trailing dims)
 
     def put(self, partition, keys, columns, tags=None):
-        part = self._rows.setdefault(partition, {})
-        for name, col in columns.items():
+        check_name("partition", partition)
+        keys = check_names("key", keys)
+        check_tags(tags, len(keys))
+        layouts = self._layouts.get(partition, {})
+        for name, col in columns.items():  # check everything before storing anything
+            check_name("field", name)
             if int(col.size(0)) != len(keys):
                 raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
-            self._jagged[partition, name] = col.is_nested
+            if layouts.get(name, _layout(col)) != _layout(col):
+                raise ValueError(f"column {name!r} in partition {partition!r} was written as "
+                                 f"{layouts[name]}, now as {_layout(col)}")
+        if not keys:
+            return  # a put of no keys stores nothing
+        part = self._rows.setdefault(partition, {})
+        for name, col in columns.items():
+            self._layouts.setdefault(partition, {})[name] = _layout(col)
             for k, row in zip(keys, col.unbind()):
                 part.setdefault(k, {})[name] = _dump(row)
         ptags = self._tags.setdefault(partition, {})
@@ -51,6 +71,8 @@ class BytesTransport:
             ptags.setdefault(k, {}).update(copy.deepcopy(tags[i]) if tags else {})
 
     def get(self, partition, keys, select_fields):
+        check_name("partition", partition)
+        keys = [check_name("key", k) for k in keys]
         if partition not in self._rows:
             raise KeyError(f"partition {partition!r} does not exist")
         part = self._rows[partition]
@@ -59,22 +81,29 @@ class BytesTransport:
             raise KeyError(f"keys {missing} not in partition {partition!r}")
         out = {}
         for name in select_fields:
-            if any(name not in part[k] for k in keys):
+            if name not in self._layouts[partition] or any(name not in part[k] for k in keys):
                 raise KeyError(f"field {name!r} missing in partition {partition!r}")
+            jagged, dtype, trailing = self._layouts[partition][name]
             rows = [_load(part[k][name]) for k in keys]
-            out[name] = (torch.nested.nested_tensor(rows, layout=torch.jagged)
-                         if self._jagged[partition, name] else torch.stack(rows))
+            if jagged:
+                values = torch.cat(rows) if rows else torch.empty((0, *trailing), dtype=dtype)
+                offsets = torch.tensor([0] + [r.shape[0] for r in rows]).cumsum(0)
+                out[name] = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+            else:
+                out[name] = torch.stack(rows) if rows else torch.empty((0, *trailing),
+                                                                       dtype=dtype)
         return out, [copy.deepcopy(self._tags[partition][k]) for k in keys]
 
     def list(self, partition):
-        return list(self._rows.get(partition, {}))
+        return list(self._rows.get(check_name("partition", partition), {}))
 
     def clear(self, partition, keys=None):
+        check_name("partition", partition)
         if keys is None:
-            self._rows.pop(partition, None)
-            self._tags.pop(partition, None)
+            for d in (self._rows, self._tags, self._layouts):
+                d.pop(partition, None)
             return
-        for k in keys:
+        for k in check_names("key", keys):
             self._rows[partition].pop(k)
             self._tags[partition].pop(k, None)
 

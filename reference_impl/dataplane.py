@@ -5,6 +5,10 @@ written (dense as dense with its shape, jagged as jagged, 1-D as `(N,)`, an `Obj
 per-row dicts as an `ObjectColumn`: capability `object_columns`), a missing partition,
 key or field raises `KeyError` naming it, tags travel 1:1 with keys, and stored data never
 aliases a caller's tensor (one copy in at put, one copy out at get).
+
+What names and tags may hold is the contract's, not a store's: `check_name` and `check_tags`
+below are its executable form (docs/ARCHITECTURE.md "Transport surface" says it in words), and
+any transport may call them to reject what the contract excludes with the contract's errors.
 """
 
 from __future__ import annotations
@@ -23,6 +27,99 @@ from torch import Tensor
 from .objects import ObjectColumn
 
 DENSE, JAGGED, OBJECT = "dense", "jagged", "object"
+
+# -- names and tags: what the contract allows ---------------------------------------------------
+# A partition, key or field name is any `str` of 1 to MAX_NAME_BYTES bytes in UTF-8 without NUL:
+# separators (`:` `/` `.` `|`), whitespace, glob characters, names that are prefixes of one
+# another and names a store uses for its own bookkeeping are all ordinary names, compared as
+# exact strings (no case folding, no Unicode normalisation, no trimming). The empty string, NUL
+# (C string APIs cut there), lone surrogates (no UTF-8 form) and longer names are refused.
+MAX_NAME_BYTES = 1024
+# A tag is a dict of plain data: keys `str` or `int`; values None, bool, int in int64, float
+# (nan, +-inf and -0.0 included), str (UTF-8 encodable), list, tuple and dict, nested at most
+# MAX_TAG_DEPTH deep. Every one comes back as the type it was put (a tuple stays a tuple, an int
+# key an int, 1.0 a float). Anything else (a set, bytes, a tensor, a numpy scalar, an object)
+# is refused at put.
+MAX_TAG_DEPTH = 32
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_name(what: str, name) -> str:
+    """`name` if the contract allows it as a `what` ("partition", "key", "field") name; else
+    TypeError (not a str) or ValueError saying what is wrong."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} name {name!r} is a {type(name).__name__}; names are str")
+    if not name:
+        raise ValueError(f"{what} name is the empty string; a name has 1 to {MAX_NAME_BYTES} "
+                         "bytes")
+    if "\x00" in name:
+        raise ValueError(f"{what} name {name[:40]!r} holds NUL; names never do")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} name {name[:40]!r} holds a lone surrogate; names are valid "
+                         "Unicode (UTF-8 encodable)") from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"{what} name {name[:40]!r}... is {size} bytes in UTF-8; at most "
+                         f"{MAX_NAME_BYTES}")
+    return name
+
+
+def check_names(what: str, names) -> list[str]:
+    """A list of `what` names, each checked, none repeated."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise TypeError(f"{what}s must be a list of str, not {type(names).__name__}")
+    out = [check_name(what, n) for n in names]
+    if len(set(out)) != len(out):
+        dup = sorted({n for n in out if out.count(n) > 1})
+        raise ValueError(f"{what} names {dup[:8]} repeated")
+    return out
+
+
+def check_tags(tags, n: int) -> None:
+    """Raise unless `tags` is None or `n` tags the contract allows (see MAX_TAG_DEPTH above);
+    the message names the row and the path inside its tag."""
+    if tags is None:
+        return
+    if isinstance(tags, (str, bytes, dict)) or not isinstance(tags, Sequence):
+        raise TypeError(f"tags must be None or a list of dicts, not {type(tags).__name__}")
+    if len(tags) != n:
+        raise ValueError(f"put got {len(tags)} tags for {n} keys; tags are 1:1")
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, dict):
+            raise TypeError(f"tags[{i}] is a {type(tag).__name__}; a tag is a dict")
+        _check_tag_value(tag, f"tags[{i}]", 0)
+
+
+def _check_tag_value(v, path: str, depth: int) -> None:
+    if depth > MAX_TAG_DEPTH:
+        raise ValueError(f"{path}: tag nested deeper than {MAX_TAG_DEPTH} (or a cycle)")
+    if v is None or isinstance(v, (bool, float)):
+        return
+    if isinstance(v, int):
+        if not INT64[0] <= v <= INT64[1]:
+            raise ValueError(f"{path}: int {v} is outside int64; tags hold 64-bit ints")
+        return
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}: str {v[:40]!r} holds a lone surrogate") from None
+        return
+    if type(v) in (list, tuple):
+        for j, x in enumerate(v):
+            _check_tag_value(x, f"{path}[{j}]", depth + 1)
+        return
+    if type(v) is dict:
+        for k, x in v.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(f"{path}: dict key {k!r} is a {type(k).__name__}; tag dict keys "
+                                "are str or int")
+            _check_tag_value(k, f"{path} key {k!r}", depth + 1)
+            _check_tag_value(x, f"{path}[{k!r}]", depth + 1)
+        return
+    raise TypeError(f"{path}: {type(v).__name__} {str(v)[:40]!r} is not a tag value; tags hold "
+                    "None, bool, int, float, str, list, tuple and dict")
 
 
 @dataclass(frozen=True)
@@ -300,11 +397,17 @@ class InMemoryDataPlane:
     def put(self, partition: str, keys: Sequence[str], columns: dict[str, Tensor],
             tags: Sequence[dict] | None = None) -> None:
         self._check_open()
-        keys = list(keys)
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"put got duplicated keys in partition {partition!r}")
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"put got {len(tags)} tags for {len(keys)} keys; tags are 1:1")
+        check_name("partition", partition)
+        try:
+            keys = check_names("key", keys)
+        except ValueError as exc:
+            if "repeated" in str(exc):
+                raise ValueError(f"put got duplicated keys in partition {partition!r}: "
+                                 f"{exc}") from None
+            raise
+        check_tags(tags, len(keys))
+        for name in columns:
+            check_name("field", name)
         layouts = self._layouts.get(partition, {})
         staged: dict[str, tuple[Layout, list[Tensor]]] = {}
         for name, col in columns.items():  # validate everything before storing anything
@@ -315,6 +418,8 @@ class InMemoryDataPlane:
                 raise ValueError(f"column {name!r} in partition {partition!r} was written as "
                                  f"{old}, now as {layout}")
             staged[name] = (layout, rows)
+        if not keys:  # a put of no keys stores nothing: no key, no layout, no partition
+            return
         part = self._rows.setdefault(partition, {})
         ptags = self._tags.setdefault(partition, {})
         playouts = self._layouts.setdefault(partition, {})
@@ -334,6 +439,9 @@ class InMemoryDataPlane:
         self._check_open()
         if select_fields is None:
             raise TypeError("get requires select_fields: name the fields to fetch")
+        check_name("partition", partition)
+        keys = [check_name("key", k) for k in keys]
+        select_fields = [check_name("field", f) for f in select_fields]
         part = self._partition(partition)
         missing = [k for k in keys if k not in part]
         if missing:
@@ -360,6 +468,7 @@ class InMemoryDataPlane:
 
     def list(self, partition: str) -> list[str]:
         self._check_open()
+        check_name("partition", partition)
         return list(self._partition(partition))
 
     def fields(self, partition: str) -> list[str]:
@@ -369,6 +478,9 @@ class InMemoryDataPlane:
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         self._check_open()
+        check_name("partition", partition)
+        if keys is not None:
+            keys = check_names("key", keys)
         part = self._partition(partition)
         if keys is None:
             for d in (self._rows, self._tags, self._layouts):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .batch import Batch
 from .codec import WireBatch, column_field
-from .loss import LossOutput, grpo_loss
+from .loss import OBJECTIVE, LossConfig, LossOutput, StepNorm, grpo_loss
 from .registry import FAMILIES, Stage, stage_fields
 from .rollout import registry_family
 
@@ -38,7 +38,9 @@ OUTPUT_FIELD = {Stage.LOGPROB: "prev_logprobs", Stage.REFERENCE_LOGPROB: "refere
 class TrainerSettings:
     """`family` is a fixtures.families name. `max_tokens_per_micro_batch` switches to dynamic
     micro-batching (consecutive rows while rows x longest <= budget); `max_seq_len` truncates
-    per-token fields before every forward (packed media are never touched)."""
+    per-token fields before every forward (packed media are never touched). `loss` is the point
+    of the GRPO objective family (clipping, KL, aggregation, importance correction, entropy
+    bonus, optimizer steps per batch, gradient clipping: reference_impl/loss.py)."""
 
     family: str
     micro_batch_size: int = 2
@@ -46,18 +48,22 @@ class TrainerSettings:
     device: str = "cpu"
     seed: int = 0
     lr: float = 1e-2
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
     max_tokens_per_micro_batch: int | None = None
     max_seq_len: int | None = None
-    max_grad_norm: float | None = None
+    loss: LossConfig = LossConfig()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.loss, LossConfig):
+            raise TypeError(f"TrainerSettings.loss must be a LossConfig, got "
+                            f"{type(self.loss).__name__}")
 
 
 @dataclass
 class StepResult:
     """`metrics`: per-token values over the loss tokens of the step (1-D, float32), in the
-    order rank -> micro-batch -> row -> token."""
+    order rank -> micro-batch -> row -> token. When the batch takes several optimizer steps
+    (`LossConfig.mini_batches` / `epochs`), `loss`, `metrics` and `grad_norm` are those of the
+    first, and `extra["optimizer_steps"]` holds one StepResult per optimizer step, in order."""
 
     loss: float
     metrics: dict[str, Tensor]
@@ -88,6 +94,14 @@ def micro_batch_rows(seq_lens: Sequence[int], settings: TrainerSettings) -> list
     if cur:
         out.append(cur)
     return out
+
+
+def mini_batch_rows(n: int, mini_batches: int) -> list[list[int]]:
+    """Row positions of each mini-batch (one optimizer step each) of a shard of `n` rows:
+    `mini_batches` consecutive parts, part k holding rows [k n / M, (k + 1) n / M) (a part may
+    be empty when n < M; the step then runs on the other ranks' rows)."""
+    m = mini_batches
+    return [list(range(k * n // m, (k + 1) * n // m)) for k in range(m)]
 
 
 def _deterministic_cuda() -> None:
@@ -142,6 +156,8 @@ def strict_determinism():
 class GRPOCore:
     """Model, frozen reference copy, optimizer, and the forward / loss of one GRPO step."""
 
+    objective = OBJECTIVE  # the objective's parts (a mutant replaces one)
+
     def __init__(self, settings: TrainerSettings, model: torch.nn.Module | None = None):
         self.settings = settings
         self.device = torch.device(settings.device)
@@ -164,6 +180,7 @@ class GRPOCore:
             [p for p in self.model.parameters() if p.requires_grad], lr=settings.lr,
             weight_decay=0.0)
         self.steps = 0
+        self.batch_step = 0  # the optimizer step's index within its generation batch
 
     @staticmethod
     def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -207,11 +224,28 @@ class GRPOCore:
         """`[B, S]` float32 logprob of each token given its prefix (0 at position 0 and pads)."""
         inputs = self.model_inputs(mb, stage)
         logits = model(**inputs, use_cache=False).logits
+        return self._gather_logprobs(logits, inputs)
+
+    @staticmethod
+    def _gather_logprobs(logits: Tensor, inputs: dict[str, Tensor]) -> Tensor:
         ids = inputs["input_ids"]
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
         logp = torch.nn.functional.pad(logp, (1, 0))
         return logp * inputs["attention_mask"].to(logp.dtype)
+
+    def token_logprobs_and_entropy(self, model: torch.nn.Module, mb: Batch,
+                                   stage: Stage) -> tuple[Tensor, Tensor]:
+        """`token_logprobs` and, aligned with it, the entropy of the policy's distribution at
+        the position predicting each token (`[B, S]` float32, 0 at position 0 and pads)."""
+        inputs = self.model_inputs(mb, stage)
+        logits = model(**inputs, use_cache=False).logits
+        z = logits[:, :-1].float()
+        logp_all = torch.log_softmax(z, dim=-1)
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+        entropy = torch.nn.functional.pad(entropy, (1, 0))
+        entropy = entropy * inputs["attention_mask"].to(entropy.dtype)
+        return self._gather_logprobs(logits, inputs), entropy
 
     # -- passes -------------------------------------------------------------------------
     def policy_for(self, stage: Stage) -> torch.nn.Module:
@@ -232,22 +266,42 @@ class GRPOCore:
         return mb["prev_logprobs"].to(logp.device)
 
     def train(self, shards: Sequence[Batch]) -> StepResult:
-        """One optimizer step over every micro-batch of every data-parallel shard.
+        """Every optimizer step of one generation batch (`LossConfig.mini_batches` x `epochs`;
+        one by default) over every micro-batch of every data-parallel shard.
 
         Gradients accumulate over micro-batches and shards (an in-process all-reduce); each
-        micro-batch's loss is divided by the step's total loss-token count, so the objective
-        does not depend on the split.
+        micro-batch's loss carries the aggregation weights of its optimizer step's totals
+        (loss tokens, rows), so the objective does not depend on the split.
         """
-        s = self.settings
+        cfg = self.settings.loss
         shards = [self.prepare(b) for b in shards]
-        normalizer = self.loss_normalizer(shards)
+        parts = [mini_batch_rows(len(b), cfg.mini_batches) for b in shards]
+        results = []
+        for _ in range(cfg.epochs):
+            for k in range(cfg.mini_batches):
+                step = [b.select(p[k]) if len(p[k]) < len(b) else b
+                        for b, p in zip(shards, parts) if p[k]]
+                self.batch_step = len(results)  # this step's place in the generation batch
+                results.append(self.optimizer_step(step))
+        first = results[0]
+        if len(results) > 1:
+            first.extra["optimizer_steps"] = results
+        return first
+
+    def optimizer_step(self, shards: Sequence[Batch]) -> StepResult:
+        """One optimizer step over every micro-batch of `shards` (this rank's part of it)."""
+        cfg = self.settings.loss
+        norm = StepNorm(self.loss_normalizer(shards), self.row_normalizer(shards))
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         metrics: dict[str, list[Tensor]] = {}
         for shard in shards:
             for _, mb in self.micro_batches(shard):
-                logp = self.token_logprobs(self.model, mb, Stage.TRAIN)
-                out = self.micro_batch_loss(mb, logp, normalizer)
+                if cfg.entropy_coef:
+                    logp, entropy = self.token_logprobs_and_entropy(self.model, mb, Stage.TRAIN)
+                else:
+                    logp, entropy = self.token_logprobs(self.model, mb, Stage.TRAIN), None
+                out = self.micro_batch_loss(mb, logp, norm, entropy)
                 with strict_determinism() if self._strict_backward else \
                         contextlib.nullcontext():
                     out.loss.backward()
@@ -255,34 +309,52 @@ class GRPOCore:
                 for k, v in out.metrics.items():
                     metrics.setdefault(k, []).append(v.cpu())
         self.reduce_gradients()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = s.max_grad_norm if s.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params \
-            else torch.zeros(())
+        grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return StepResult(float(total), {k: torch.cat(v) for k, v in metrics.items()},
-                          float(grad_norm), {"normalizer": normalizer, "step": self.steps})
+                          float(grad_norm), {"normalizer": norm.tokens, "rows": norm.rows,
+                                             "step": self.steps})
+
+    def clip_gradients(self) -> Tensor:
+        """Scale the gradient to `max_grad_norm` where it is longer; returns its norm before."""
+        cfg = self.settings.loss
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def loss_normalizer(self, shards: Sequence[Batch]) -> float:
-        """The loss-token count of the whole step (every micro-batch of every shard, summed over
-        the data-parallel rank processes too): the loss is a token-mean over the step, whatever
+        """The loss-token count of the optimizer step (every micro-batch of every shard, summed
+        over the data-parallel rank processes too): the token-mean is over the step, whatever
         the split or the sharding."""
         from .ranks import dp_sum
 
         return max(1.0, float(dp_sum(sum(int(b["token_mask"].sum()) for b in shards))))
 
-    def micro_batch_loss(self, mb: Batch, logp: Tensor, normalizer: float) -> LossOutput:
-        """One micro-batch's share of the step loss (its token sum / `normalizer`)."""
+    def row_normalizer(self, shards: Sequence[Batch]) -> float:
+        """The row count of the optimizer step (rows without loss tokens too), summed over the
+        data-parallel ranks: the sequence-mean aggregations divide by it."""
+        if self.settings.loss.aggregation == "token-mean":
+            return float("nan")  # unused: no collective for it
+        from .ranks import dp_sum
+
+        return max(1.0, float(dp_sum(sum(b.batch_size for b in shards))))
+
+    def micro_batch_loss(self, mb: Batch, logp: Tensor, normalizer: float | StepNorm,
+                         entropy: Tensor | None = None) -> LossOutput:
+        """One micro-batch's share of the step loss (`normalizer`: the step's StepNorm, or its
+        token count where the aggregation needs nothing else)."""
         s, dev = self.settings, logp.device
         ref = mb.fields.get("reference_logprobs")
         gen = mb.fields.get("generation_logprobs")
         return grpo_loss(
             logp, self.old_logprobs(mb, logp), mb["advantages"].to(dev),
-            mb["token_mask"].to(dev), normalizer, s.clip_low, s.clip_high,
-            None if ref is None else ref.to(dev), s.kl_coef,
-            None if gen is None else gen.to(dev))
+            mb["token_mask"].to(dev), normalizer, s.loss,
+            None if ref is None else ref.to(dev), None if gen is None else gen.to(dev),
+            entropy, self.objective)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

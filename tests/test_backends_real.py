@@ -49,6 +49,14 @@ KNOWN = {
     "(1,) rows (KV schema records 0-d rows as shape (1,))",
     ("transferqueue-mooncake", "empty_rows"): "MooncakeStore rejects zero-byte values "
     "(INVALID_PARAMS, slice_length=0): a put with an empty jagged row raises after 3 retries",
+    ("transferqueue-simple", "tuple_tags"): "TransferQueue 0.1.11 sends tags as msgspec "
+    "msgpack: tuples come back as lists",
+    ("transferqueue-mooncake", "tuple_tags"): "TransferQueue 0.1.11 sends tags as msgspec "
+    "msgpack: tuples come back as lists",
+    ("transferqueue-simple", "empty_get"): "TransferQueue 0.1.11 kv_batch_get of no keys "
+    "raises ValueError('Received an empty list as keys.')",
+    ("transferqueue-mooncake", "empty_get"): "TransferQueue 0.1.11 kv_batch_get of no keys "
+    "raises ValueError('Received an empty list as keys.')",
 }
 
 
@@ -316,6 +324,97 @@ def _kill_store(live) -> str:
 
 
 BOUND_S = 4.0  # adapter timeout under test; the library itself may give up sooner
+
+
+# -- untrusted input through the adapters ----------------------------------------------------------
+ODD_NAMES = ["a:b", "a/b", "a.b", "a|b", "__keys__", "p*", "\u00e9", "e\u0301", "x" * 1024]
+
+
+def test_names_with_separators_and_bookkeeping_names_stay_apart(tp):
+    base = part()
+    for i, (p, k) in enumerate([(f"{base}:a", "b"), (base, "a:b"), (f"{base}a", "b"),
+                                (f"{base}/a", "b")]):
+        tp.put(p, [k], {"x": torch.full((1, 2), float(i))}, [{"i": i}])
+    got, tags = tp.get(base, ["a:b"], ["x"])
+    assert got["x"][0, 0].item() == 1.0 and tags == [{"i": 1}]
+    assert tp.list(base) == ["a:b"] and tp.list(f"{base}:a") == ["b"]
+    p = part()
+    tp.put(p, ODD_NAMES, {"x": torch.arange(len(ODD_NAMES) * 2.0).reshape(-1, 2)})
+    assert sorted(tp.list(p)) == sorted(ODD_NAMES)
+    got, _ = tp.get(p, ODD_NAMES[::-1], ["x"])
+    assert got["x"][:, 0].tolist() == [2.0 * i for i in range(len(ODD_NAMES))][::-1]
+
+
+def test_names_and_tags_the_contract_refuses(tp):
+    p = part()
+    for bad in ("", "a\x00b", "x" * 1025, 7):
+        with pytest.raises((TypeError, ValueError), match="partition"):
+            tp.put(bad, ["k"], {"x": torch.zeros(1, 2)})
+        with pytest.raises((TypeError, ValueError), match="key"):
+            tp.put(p, [bad], {"x": torch.zeros(1, 2)})
+    with pytest.raises(TypeError, match="set"):
+        tp.put(p, ["k"], {"x": torch.zeros(1, 2)}, [{"s": {1, 2}}])
+    with pytest.raises(KeyError):
+        tp.list(p)  # nothing of a refused put was stored
+
+
+def test_tags_keep_int_keys_and_special_floats(tp):
+    import math
+
+    p = part()
+    tp.put(p, ["k"], {"x": torch.zeros(1, 2)}, [{3: "int key", "f": [float("nan"), -0.0]}])
+    _, tags = tp.get(p, ["k"], ["x"])
+    assert tags[0][3] == "int key" and math.isnan(tags[0]["f"][0])
+    assert math.copysign(1.0, tags[0]["f"][1]) == -1.0
+
+
+def test_tuple_tags_come_back_as_tuples(request, live, tp):
+    known(request, live, "tuple_tags")
+    p = part()
+    tp.put(p, ["k"], {"x": torch.zeros(1, 2)}, [{"t": (1, (2,))}])
+    _, tags = tp.get(p, ["k"], ["x"])
+    assert tags == [{"t": (1, (2,))}] and type(tags[0]["t"]) is tuple, tags
+
+
+def test_put_and_clear_of_no_keys_do_nothing(tp):
+    p = part()
+    tp.put(p, KEYS, {"x": torch.zeros(5, 2)})
+    tp.put(p, [], {"x": torch.zeros(0, 2)}, [])
+    tp.clear(p, [])
+    assert sorted(tp.list(p)) == sorted(KEYS)
+
+
+def test_get_of_no_keys_gives_empty_columns(request, live, tp):
+    known(request, live, "empty_get")
+    p = part()
+    tp.put(p, KEYS, {"x": torch.zeros(5, 2, dtype=torch.bfloat16)})
+    got, tags = tp.get(p, [], ["x"])
+    assert got["x"].shape == (0, 2) and got["x"].dtype == torch.bfloat16 and tags == []
+
+
+def test_a_reopened_clients_put_outlives_its_process(live, tp, tmp_path):
+    """A second client process (reopened by address) puts and exits; its rows stay readable
+    (ray-objectstore lost them with their owner until its index actor put them itself)."""
+    import pickle
+    import subprocess
+    import sys
+
+    if "multiprocess" not in live.backend.capabilities:
+        assert live.name == "transferqueue-mooncake", f"{live.name} does not reopen by address"
+        return
+    from rlconform.reference_impl.served import pack_columns
+
+    p, result = part(), tmp_path / "answers.pickle"
+    cols = {"x": torch.arange(4.0).reshape(2, 2), "j": nt([torch.ones(3), torch.zeros(0)])}
+    job = {"address": tp.address(), "result": str(result),
+           "steps": [("put", (p, ["a", "b"], pack_columns(cols), [{"w": 1}, {"w": 2}]))]}
+    subprocess.run([sys.executable, "-m", "rlconform.conformance.clauses._peer", live.name],
+                   input=pickle.dumps(job), capture_output=True, timeout=300, check=True)
+    assert pickle.loads(result.read_bytes()) == [("ok",)]
+    got, tags = tp.get(p, ["b", "a"], ["x", "j"])
+    assert_same({n: pick(c, [1, 0]) for n, c in cols.items()}, got)
+    assert tags == [{"w": 2}, {"w": 1}]
+    tp.clear(p)
 
 
 def test_store_killed_midrun_fails_fast_then_session_leaves_no_process(live):

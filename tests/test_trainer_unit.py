@@ -21,7 +21,13 @@ from rlconform.reference_impl.grpo import (
     legacy_step,
     mint_keys,
 )
-from rlconform.reference_impl.loss import generation_metrics, grpo_loss, k3, summarize
+from rlconform.reference_impl.loss import (
+    LossConfig,
+    generation_metrics,
+    grpo_loss,
+    k3,
+    summarize,
+)
 from rlconform.reference_impl.meta import BatchMeta
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import Stage
@@ -62,7 +68,8 @@ def test_grpo_loss_clips_and_normalizes_hand_computed():
     logp = torch.tensor([[0.0, LN2, 0.0], [0.0, LN2, -LN2]])  # ratios 1, 2, 1 / 1, 2, 0.5
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
-    out = grpo_loss(logp, prev, adv, mask, normalizer=4.0, clip_low=0.2, clip_high=0.2,
+    out = grpo_loss(logp, prev, adv, mask, normalizer=4.0,
+                    config=LossConfig(clip_low=0.2, clip_high=0.2),
                     logp_reference=torch.zeros(2, 3))
     # row 0 (A=+1): ratio 2 -> clipped 1.2 -> -1.2; ratio 1 -> -1
     # row 1 (A=-1): ratio 2 -> max(2, 1.2) = 2 -> +2; ratio 0.5 -> max(0.5, 0.8) = 0.8 -> +0.8

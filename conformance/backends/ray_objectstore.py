@@ -3,8 +3,10 @@
 put turns each column into one block (a numpy payload: dense `values`, or jagged `values` +
 `offsets`) and `ray.put`s it once; the index actor records key -> (block, row), the tags and the
 column's layout, and holds the block refs (as a borrower). Ray makes the putting process the
-block's owner (`ray.put(_owner=)` was removed in Ray 2.56): when the writer exits, its blocks
-are lost and get raises BackendUnavailable (OwnerDiedError) rather than returning stale data. get asks the actor where each row lives, fetches the blocks with one
+block's owner (`ray.put(_owner=)` was removed in Ray 2.56), and an owner's blocks die with it:
+so a client reopened by address in another process (a rank, a rollout worker) hands its
+payloads to the index actor, which puts them itself and owns them (one more copy), and they
+outlive the writer. get asks the actor where each row lives, fetches the blocks with one
 `ray.get` (zero-copy from shared memory) and copies the rows out into fresh tensors, so nothing
 returned aliases the store. Every call has a timeout: a dead index actor or object owner gives
 a BackendUnavailable, a hung one a BackendTimeout, never a hang.
@@ -22,6 +24,7 @@ from collections.abc import Iterator, Sequence
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
+from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
 INDEX_NAMESPACE = "rlconform"  # the index actors are named, so a rank process can find one
@@ -86,6 +89,14 @@ class _Index:
                 entry["tags"].update(tags[i])
         return ("ok",)
 
+    def put_payloads(self, partition: str, keys: list[str], payloads: dict[str, tuple], tags):
+        """put for a client in another process: the blocks are put here, so this actor owns
+        them and they outlive the writer (a block is owned by the process that put it)."""
+        import ray
+
+        return self.put(partition, keys, {name: (layout, [ray.put(payload)])
+                                          for name, (layout, payload) in payloads.items()}, tags)
+
     def locate(self, partition: str, keys: list[str], fields: list[str]):
         """For each field: its layout, the blocks it needs, and (block index, row) per key."""
         part = self.parts.get(partition)
@@ -96,6 +107,9 @@ class _Index:
             return ("error", "KeyError", f"keys {missing[:8]} not in partition {partition!r}")
         out, refs, index = {}, [], {}
         for name in fields:
+            if name not in self.layouts.get(partition, {}):
+                return ("error", "KeyError", f"field {name!r} not stored in partition "
+                        f"{partition!r}")
             lacking = [k for k in keys if name not in part[k]["rows"]]
             if lacking:
                 return ("error", "KeyError", f"field {name!r} missing for keys {lacking[:8]} "
@@ -269,23 +283,36 @@ class RayObjectStoreTransport:
 
     def put(self, partition: str, keys: Sequence[str], columns: dict,
             tags: Sequence[dict] | None = None) -> None:
-        keys = list(keys)
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"put got duplicated keys in partition {partition!r}")
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"put got {len(tags)} tags for {len(keys)} keys; tags are 1:1")
-        staged = {name: _to_payload(name, col, len(keys)) for name, col in columns.items()}
+        check_name("partition", partition)
+        try:
+            keys = check_names("key", keys)
+        except ValueError as exc:
+            raise ValueError(f"put got duplicated keys in partition {partition!r}: {exc}") \
+                if "repeated" in str(exc) else exc from None
+        check_tags(tags, len(keys))
+        staged = {check_name("field", name): _to_payload(name, col, len(keys))
+                  for name, col in columns.items()}
+        if not keys:  # a put of no keys stores nothing (the contract: no key, no partition)
+            return
+        tags = list(tags) if tags is not None else None
+        if not self._owner:
+            # a block belongs to the process that put it and dies with it: from another
+            # process, the index actor puts the blocks itself, so they outlive this client
+            self._ask("put_payloads", partition, keys, staged, tags)
+            return
         # a list around each ref keeps Ray from resolving it into the block when it is passed
         blocks = {name: (layout, [self._ray.put(payload)])
                   for name, (layout, payload) in staged.items()}
-        self._ask("put", partition, keys, blocks, list(tags) if tags is not None else None)
+        self._ask("put", partition, keys, blocks, tags)
 
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
             ) -> tuple[dict, list[dict]]:
         if select_fields is None:
             raise TypeError("get requires select_fields: name the fields to fetch")
-        keys = list(keys)
-        located, refs, tags = self._ask("locate", partition, keys, list(select_fields))
+        check_name("partition", partition)
+        keys = [check_name("key", k) for k in keys]
+        fields = [check_name("field", f) for f in select_fields]
+        located, refs, tags = self._ask("locate", partition, keys, fields)
         blocks = self._wait([r[0] for r in refs], "block fetch") if refs else []
         if not keys:
             return {name: _empty(layout) for name, (layout, _w) in located.items()}, []
@@ -293,10 +320,11 @@ class RayObjectStoreTransport:
                 for name, (layout, where) in located.items()}, tags
 
     def list(self, partition: str) -> list[str]:
-        return self._ask("list", partition)[0]
+        return self._ask("list", check_name("partition", partition))[0]
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
-        self._ask("clear", partition, list(keys) if keys is not None else None)
+        check_name("partition", partition)
+        self._ask("clear", partition, check_names("key", keys) if keys is not None else None)
 
     def close(self) -> None:
         """Kill the index actor: it holds the last ref to every block, so all are freed. A

@@ -37,6 +37,15 @@ def _trainer(*args, **kwargs):
     return make_trainer(*args, **kwargs)
 
 
+def _loss_options(config):
+    from rlconform.conformance.backends.reference_trainer import loss_options
+
+    return loss_options(config)
+
+
+_trainer.loss_options = _loss_options  # every point of the GRPO family (reference_trainer.py)
+
+
 def _rollout(*args, **kwargs):
     from rlconform.conformance.backends.reference_trainer import make_rollout
 
@@ -65,6 +74,34 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
         parts["capabilities"] = parts["capabilities"] - {"multiprocess"}
     parts.update(overrides)
     return Backend(**parts)
+
+
+# The reference's capabilities that belong to one surface: a part that replaces the surface
+# declares its own (the reference's in-memory store reopens across processes and holds object
+# columns; an author's store need not). Every other capability stays with the parts kept.
+SURFACE_CAPABILITIES = {
+    "transport": frozenset({"object_columns", "partitions", "multiprocess"}),
+    "meta": frozenset({"dp"}),
+    "batch_ops": frozenset({"batch_algebra", "micro_batching"}),
+}
+
+
+def derive(name: str, description: str = "", capabilities=(), without=(), **overrides
+           ) -> Backend:
+    """`Backend.from_reference`: the reference with some parts replaced. Capabilities add up:
+    the reference's, less those of each surface replaced (SURFACE_CAPABILITIES), plus
+    `capabilities`, less `without` (the explicit way to leave one out, with a note saying why
+    where the report should show it)."""
+    base = backend.capabilities
+    for surface, caps in SURFACE_CAPABILITIES.items():
+        if surface in overrides:
+            base = base - caps
+    unknown = sorted(set(without) - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(f"backend {name!r}: `without` names unknown capabilities {unknown}; "
+                         f"known: {sorted(CAPABILITIES)}")
+    caps = (base | frozenset(capabilities)) - frozenset(without)
+    return build(name=name, description=description, capabilities=caps, **overrides)
 
 
 backend = build(version=package_version("rlconform"))

@@ -10,8 +10,20 @@ reference_impl/ranks.py's docstring).
 The rollout surface: `rollout(family, settings)` with `generate(prompts, images,
 max_new_tokens, seed) -> Batch` (`max_new_tokens` an int or one cap per prompt, 0 allowed) and
 `refit(state_dict)`. The numerics clauses (test_trainer_numerics.py) also watch the trainer's
-`model` with hooks: the logits of its train forwards and the gradients accumulated into its
-parameters before the optimizer step.
+`model` with hooks: the logits of its train forwards, the gradients accumulated into its
+parameters and, through torch's global optimizer step hooks, the gradient and weights of every
+optimizer step.
+
+The point of the GRPO objective family a trainer runs is `settings.loss`
+(reference_impl.loss.LossConfig). A trainer factory declares the points it implements with an
+attribute `loss_options(config) -> dict`: the backend's own options for that point (what a
+user of the framework would set), or `NotImplementedError` saying why the framework has none.
+A factory without it declares the default point only. The numerics clauses run every grid
+point a backend declares and report the others as not applicable, naming the reason. The
+reference implements every point. Likewise `settings_unsupported: dict[str, str]` names the
+TrainerSettings fields the framework has no counterpart for (field -> why): the clauses that
+need one are not applicable there (TRAIN-TRUNCATION-MEDIA), or leave out the cuts that need it
+and judge the others (TRAIN-SPLIT-INVARIANCE's token-budget splits).
 """
 
 from __future__ import annotations
@@ -38,7 +50,13 @@ def trainer_factory(dataplane_cls: type | None = None, group_cls: type | None = 
             codec = ReferenceCodec()
         return (dataplane_cls or DataPlaneTrainer)(settings, transport, codec, model)
 
+    make_trainer.loss_options = loss_options
     return make_trainer
+
+
+def loss_options(config) -> dict:
+    """The reference implements every point of the family: its options are the LossConfig."""
+    return {"loss": config.changes()}
 
 
 make_trainer = trainer_factory()

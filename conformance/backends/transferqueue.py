@@ -36,6 +36,7 @@ from pathlib import Path
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
+from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
 
 LAYOUT_TAG = "__rlconform_layout__:"
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_TQ_TIMEOUT_S", "60"))
@@ -51,6 +52,10 @@ def _tq():
         raise ImportError("the transferqueue backends need `pip install TransferQueue==0.1.11 "
                           "tensordict ray`") from exc
     return transfer_queue
+
+
+def _is_layout_record(key) -> bool:
+    return isinstance(key, str) and key.startswith(LAYOUT_TAG)  # tag keys may be ints
 
 
 def _layout_record(col) -> list:
@@ -130,12 +135,15 @@ class TransferQueueTransport:
             tags: Sequence[dict] | None = None) -> None:
         from tensordict import TensorDict
 
-        keys = list(keys)
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"put got {len(tags)} tags for {len(keys)} keys; tags are 1:1")
+        check_name("partition", partition)
+        keys = check_names("key", keys)
+        check_tags(tags, len(keys))
         for name, col in columns.items():
+            check_name("field", name)
             if col.size(0) != len(keys):
                 raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
+        if not keys:  # the contract: a put of no keys stores nothing (TQ refuses an empty list)
+            return
         layout = {LAYOUT_TAG + name: _layout_record(col) for name, col in columns.items()}
         per_key = [{**(dict(tags[i]) if tags is not None else {}), **layout}
                    for i in range(len(keys))]
@@ -149,7 +157,9 @@ class TransferQueueTransport:
             ) -> tuple[dict, list[dict]]:
         if select_fields is None:
             raise TypeError("get requires select_fields: name the fields to fetch")
-        keys, fields = list(keys), list(select_fields)
+        check_name("partition", partition)
+        keys = [check_name("key", k) for k in keys]
+        fields = [check_name("field", f) for f in select_fields]
         try:
             data = self._call(self._tq.async_kv_batch_get(
                 keys=keys, partition_id=self._pid(partition), select_fields=fields),
@@ -169,16 +179,22 @@ class TransferQueueTransport:
         for name in data.keys():
             records = [t.get(LAYOUT_TAG + name) for t in stored]
             columns[name] = _restore(data[name], records)
-        tags = [{k: v for k, v in t.items() if not k.startswith(LAYOUT_TAG)} for t in stored]
+        tags = [{k: v for k, v in t.items() if not _is_layout_record(k)} for t in stored]
         return columns, tags
 
     def list(self, partition: str) -> list[str]:
+        check_name("partition", partition)
         info = self._call(self._tq.async_kv_list(partition_id=self._pid(partition)), "kv_list")
         if self._pid(partition) not in info:
             raise KeyError(f"partition {partition!r} does not exist")
         return list(info[self._pid(partition)])
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
+        check_name("partition", partition)
+        if keys is not None:
+            keys = check_names("key", keys)
+            if not keys:  # the contract: clear of no keys removes nothing (TQ refuses [])
+                return
         if keys is None:
             self._call(self._client.async_clear_partition(self._pid(partition)),
                        "clear_partition")

@@ -1,57 +1,49 @@
 """TRL 1.16.0's `GRPOTrainer` as an rlconform trainer backend (two configurations).
 
-The passes run TRL's own code; the adapter only builds TRL's inputs and reads TRL's outputs.
+The passes run TRL's own code. What the adapter builds itself, and why no TRL function does it:
 
 | rlconform need | TRL 1.16.0 (`trl.trainer`) |
 |---|---|
-| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ...,
-  batch_size=per_device_train_batch_size)` under `torch.no_grad()` and
-  `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it; the
-  pass runs only when TRL's own condition says so (old logprobs: `gradient_accumulation_steps %
-  (steps_per_generation * num_iterations) != 0`, or vLLM IS correction; reference: `beta != 0`);
-  otherwise the pass returns `None` (in memory) or the meta unchanged (data plane) |
-| which rows each train micro-batch holds | `utils.split_pixel_values_by_grid`, `shuffle_sequence_dict`,
-  `split_tensor_dict(batch, steps_per_generation)`, `unsplit_pixel_values_by_grid`, in the
-  order of `GRPOTrainer._prepare_inputs` |
-| train loss | `GRPOTrainer.compute_loss` (-> `_compute_loss`) per micro-batch, then
-  `accelerator.backward` (TRL sets `loss_is_scaled_for_ga`, so HF's `training_step` divides
-  nothing), `accelerator.clip_grad_norm_`, the optimizer of `Trainer.create_optimizer` |
-| per-token probs_ratio, clamped ratio, KL | not exposed by TRL: the train pass wraps
-  `_get_per_token_logps_and_entropies` to capture the per-token logprobs `_compute_loss`
-  uses, and applies `_compute_loss`'s own rule: `old = inputs.get("old_per_token_logps")`,
-  else `per_token_logps.detach()`; ratio `exp(logp - old)` (token level), clamped to
-  `[1 - epsilon_low, 1 + epsilon_high]`; KL `exp(ref - logp) - (ref - logp) - 1` |
+| the GRPO options of a point | `trl_options`: each rlconform LossConfig field to its `GRPOConfig` option (table in docs/grpo-configurations.md); a point TRL has no option for raises NotImplementedError with the reason, and the clauses report it not applicable |
+| the generation batch (prompt / completion ids and masks, media, `num_images`, advantages, old / reference / engine logprobs, `num_items_in_batch`) | built by the adapter (`trl_inputs`): TRL builds it only inside `_generate_and_score_completions`, from raw prompts and images, completions it generates itself (or a `rollout_func` returns), and advantages from its own reward functions; the trainer surface receives processed rows that another engine generated and another driver scored, and no TRL function accepts those |
+| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ..., batch_size=per_device_train_batch_size)` under `torch.no_grad()` and `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it (the data plane splits that function's two passes out); a pass runs only when TRL's own condition says so (`runs_pass`, the same condition: old logprobs when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0` or vLLM IS correction; reference when `beta != 0`), else it returns `None` (in memory) or the meta unchanged (data plane) |
+| the train step | `GRPOTrainer.training_step` per micro-batch (HF `Trainer.training_step`: `_prepare_inputs`, whose split_pixel_values_by_grid / shuffle_sequence_dict / split_tensor_dict / unsplit build and buffer the micro-batches and reuse them over `num_iterations`; `compute_loss` -> `_compute_loss`; `accelerator.backward`), with the adapter's generation batch standing in for `_generate_and_score_completions`' result (`_Watch`); then, as `Trainer._inner_training_loop` does at the end of an accumulation window (no public function), `accelerator.clip_grad_norm_` and the optimizer of `Trainer.create_optimizer` |
+| per-token probs_ratio, clamped ratio, KL, entropy | TRL logs batch means only: `_Watch` wraps `_get_per_token_logps_and_entropies` to keep the per-token logprobs and entropies `_compute_loss` used, and reads back its `coef_1` (token or sequence level), `coef_2` and KL estimate from them and the micro-batch's old / reference logprobs; the loss itself is TRL's |
 
 TRL's batch layout is `prompt_ids | completion_ids` with `logits_to_keep = completion length`.
 rlconform's batches are right padded, prompt lengths differ per row, and the logprob fetch does
 not carry them, so the adapter gives TRL the whole sequence after the first token as the
 "completion" (`logits_to_keep = S - 1`, `completion_mask` = attention) and the loss tokens as
 TRL's `tool_mask` (the completion tokens `_compute_loss` masks in: `completion_mask *
-tool_mask`); `num_items_in_batch` is TRL's `loss_mask.sum()` over every data-parallel shard
-(TRL gathers it across ranks). The engine's logprobs travel as TRL's `sampling_per_token_logps`
-(unused by the loss in these configurations). A generation batch is the shard padded to its own
-longest row (TRL pads a generation batch to its longest); micro-batches keep that width.
+tool_mask`). The engine's logprobs travel as TRL's `sampling_per_token_logps` (read by the loss
+only with vLLM). A generation batch is the shard padded to its own longest row (TRL pads a
+generation batch to its longest); micro-batches keep that width.
 
-Data-parallel shards run in one process: TRL's DDP averages the gradients of W ranks that
-each normalise by `num_items_in_batch / W` (dapo), which equals the in-process sum of the
-shards' losses normalised by `num_items_in_batch` with `num_processes = 1`.
+Data-parallel shards run in one process, one emulated rank each: its own buffer and micro-step
+counter of `_prepare_inputs` (`_buffered_inputs`, `_step`), `num_items_in_batch` divided by the
+world size (a rank's dapo normaliser is the global count over `num_processes`, which is 1 here)
+and each rank's backward scaled by 1 / world (DDP's gradient mean).
 
-Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` -> per_device_train_batch_size,
-`lr`, `clip_low`/`clip_high` -> `epsilon`/`epsilon_high`, `kl_coef` -> `beta`, `max_grad_norm`,
-`seed`; `dtype` bfloat16 -> `bf16=True`, float32 -> `bf16=False`, since TRL's default `bf16=True`
-autocasts an fp32 model to bf16); one `train` is one optimizer step over a generation batch of
-`per_device_train_batch_size x steps_per_generation` rows (`gradient_accumulation_steps =
-steps_per_generation`). TRL needs the generation batch to be a multiple of the micro-batch
-size; where it is not, the micro-batch size is the largest divisor of the shard's rows that is
-<= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the global RNG; the adapter seeds
-it per (step, shard) from `seed` inside a forked RNG, so both trainer paths shuffle alike.
-Settings TRL has no counterpart for (`max_seq_len`, `max_tokens_per_micro_batch`) raise.
+Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
+per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
+bfloat16 -> `bf16=True`, float32 -> `bf16=False`, since TRL's default `bf16=True` autocasts an
+fp32 model to bf16); one `train` is every optimizer step of a generation batch (the point's
+epochs = `num_iterations`) of `per_device_train_batch_size x steps_per_generation` rows
+(`gradient_accumulation_steps = steps_per_generation`). TRL needs the generation batch to be a
+multiple of the micro-batch size; where it is not, the micro-batch size is the largest divisor
+of the shard's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
+global RNG; the adapter seeds it per (step, shard) from `seed` inside a forked RNG, so both
+trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
+`max_tokens_per_micro_batch`) are declared as such (`SETTINGS_UNSUPPORTED`, the trainer
+factory's `settings_unsupported`) and raise ValueError naming the field if given anyway.
 
 The policy is built from the family's config, saved with its processor, and reloaded from that
 folder, because with `beta > 0` TRL reloads the reference model from `config._name_or_path`.
 
 No rollout surface: TRL's own generation (`GRPOTrainer._generate`, transformers `generate`)
-returns no per-token logprobs; only its vLLM path does, and vLLM is a separate backend.
+returns no per-token logprobs; only its vLLM path does, and vLLM is a separate backend. No
+batch_ops surface (see `_NOTES`); `TRLBatchOps` runs TRL's micro-batch helpers on a Batch for
+tests/test_backends_trl.py.
 """
 
 from __future__ import annotations
@@ -80,8 +72,24 @@ _NOTES = {
                  "transport.",
     "codec": "TRL has no wire format: its batches are in-memory dicts of tensors.",
     "meta": "TRL has no driver-side batch metadata: one process holds the whole batch.",
-    "batch_algebra": "TRL has no select / concat / split of whole batches; its only batch "
-                     "operation is the micro-batch split and shuffle (micro_batching).",
+    "batch_ops": "TRL's only operation on a built batch is GRPOTrainer._prepare_inputs' split "
+                 "into micro-batches (split_pixel_values_by_grid, shuffle_sequence_dict, "
+                 "split_tensor_dict), which the trainer surface runs inside each step; it has "
+                 "no truncation, re-padding, validator or per-stage input selection of a built "
+                 "batch (prompts and completions are padded once, at generation, by "
+                 "trl.trainer.utils.pad), so the batch_ops surface is left out. Its "
+                 "micro-batch split is checked on its own (tests/test_backends_trl.py: rows "
+                 "stay whole on image batches, D2 on Idefics3 / SmolVLM).",
+}
+# TrainerSettings fields GRPOConfig has no option for (the trainer factory's
+# `settings_unsupported`: clauses that need them are not applicable, with this reason)
+SETTINGS_UNSUPPORTED = {
+    "max_seq_len": f"TRL {TRL_VERSION}'s GRPOTrainer does not truncate sequences at train time "
+                   "(GRPOConfig has max_prompt_length / max_completion_length for generation "
+                   "only)",
+    "max_tokens_per_micro_batch": f"TRL {TRL_VERSION}'s GRPOTrainer splits a generation batch "
+                                  "into micro-batches of per_device_train_batch_size rows; "
+                                  "GRPOConfig has no token budget",
 }
 
 
@@ -89,24 +97,77 @@ _NOTES = {
 class Variant:
     name: str
     description: str
-    num_iterations: int = 1
-    beta: float | None = None  # None: settings.kl_coef
+    # make TRL compute old and reference logprobs in their own passes even where one optimizer
+    # step per generation batch would let it skip them (num_iterations >= 2, beta > 0)
+    independent: bool = False
 
 
 VARIANTS = {
     "trl": Variant(
         "trl",
-        f"TRL {TRL_VERSION} GRPOTrainer, default GRPO configuration (num_iterations=1, "
-        "beta=kl_coef, loss_type='dapo'): TRL computes no old logprobs "
-        "(old_per_token_logps = per_token_logps.detach()) and, with beta 0, no reference "
-        "logprobs"),
+        f"TRL {TRL_VERSION} GRPOTrainer at the options each rlconform point maps to (default "
+        "point: num_iterations=1, beta=0, loss_type='dapo'): with one iteration TRL computes no "
+        "old logprobs (old_per_token_logps = per_token_logps.detach()) and, with beta 0, no "
+        "reference logprobs"),
     "trl-independent-passes": Variant(
         "trl-independent-passes",
-        f"TRL {TRL_VERSION} GRPOTrainer with num_iterations=2 and beta=kl_coef (or "
-        f"{INDEPENDENT_BETA:g}): TRL computes old and reference logprobs in their own passes "
-        "(the surface runs the first of the two iterations each step)",
-        num_iterations=2, beta=INDEPENDENT_BETA),
+        f"TRL {TRL_VERSION} GRPOTrainer with num_iterations >= 2 and beta = the point's KL "
+        f"coefficient (or {INDEPENDENT_BETA:g} at single-step points without one): TRL computes "
+        "old and reference logprobs in their own passes (at a single-step point the surface "
+        "runs the first of the two iterations each step)",
+        independent=True),
 }
+
+# rlconform's aggregation -> TRL's loss_type (GRPOTrainer._compute_loss): dapo divides by the
+# generation batch's loss tokens (num_items_in_batch), grpo takes each row's token mean then the
+# mean over rows, luspo each row's token sum then the mean, dr_grpo the token sum over
+# rows x max_completion_length; bnpo (each micro-batch's own tokens), cispo, sapo and vespo are
+# other objectives, no rlconform point
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
+              "seq-mean-token-sum": "luspo", "constant": "dr_grpo"}
+
+
+def trl_options(config, variant: Variant) -> dict:
+    """The GRPOConfig options of rlconform point `config` (a LossConfig) in `variant`, or
+    NotImplementedError naming what TRL has no option for."""
+    missing = []
+    if config.kl_coef and config.kl_estimator != "k3":
+        missing.append(f"KL estimator {config.kl_estimator}: GRPOTrainer._compute_loss "
+                       "estimates the KL with k3 only (exp(ref - logp) - (ref - logp) - 1)")
+    if config.is_cap is not None:
+        missing.append("truncated importance sampling: TRL applies it only to vLLM generations "
+                       "(use_vllm=True with vllm_importance_sampling_correction, "
+                       "_generate_and_score_completions); its generation path without vLLM "
+                       "has no engine logprobs to correct by, and vLLM is not installed here")
+    if config.mini_batches > 1:
+        missing.append("mini-batches: TRL's optimizer steps within a generation batch "
+                       "(steps_per_generation > gradient_accumulation_steps) take micro-batches "
+                       "of the shuffled batch (shuffle_sequence_dict in _prepare_inputs), and "
+                       "dapo divides each step by the batch's mean tokens per step "
+                       "(num_items_in_batch * gradient_accumulation_steps / "
+                       "steps_per_generation), not by its own")
+    if config.aggregation == "constant" and not float(config.constant_normalizer).is_integer():
+        missing.append("a constant normaliser that is not an integer: dr_grpo divides by "
+                       "max_completion_length, an int")
+    if missing:
+        raise NotImplementedError(f"TRL {TRL_VERSION}: " + "; ".join(missing))
+    beta = config.kl_coef
+    iterations = config.epochs
+    if variant.independent:
+        iterations = max(iterations, 2)
+        if not beta and config.epochs == 1:
+            # with ref == policy at the step's only iteration, beta * k3 and its gradient are 0
+            beta = INDEPENDENT_BETA
+    options = dict(
+        loss_type=LOSS_TYPES[config.aggregation], epsilon=config.clip_low,
+        epsilon_high=config.clip_high, delta=config.dual_clip,
+        importance_sampling_level=config.ratio_level, beta=beta,
+        use_bias_correction_kl=config.kl_ratio_weighted, entropy_coef=config.entropy_coef,
+        num_iterations=iterations,
+        max_grad_norm=config.max_grad_norm if config.max_grad_norm is not None else 0.0)
+    if config.aggregation == "constant":
+        options["max_completion_length"] = int(config.constant_normalizer)
+    return options
 
 
 def _stage():
@@ -211,42 +272,16 @@ def _quiet_global_rng():
     np.random.set_state(npy)
 
 
-class _Capture:
-    """Wraps the trainer's `_get_per_token_logps_and_entropies` (the method `_compute_loss`
-    calls) and keeps what it returned, so the adapter reads TRL's own per-token logprobs."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.calls: list[tuple] = []
-
-    def __enter__(self):
-        original = type(self.trainer)._get_per_token_logps_and_entropies.__get__(self.trainer)
-
-        def wrapped(*args, **kwargs):
-            out = original(*args, **kwargs)
-            self.calls.append(out)
-            return out
-
-        self.trainer._get_per_token_logps_and_entropies = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        del self.trainer._get_per_token_logps_and_entropies
-        return False
-
-
 class TRLCore:
     """A `GRPOTrainer` around a tiny fixture family, with rlconform's three passes."""
 
     def __init__(self, settings, variant: Variant, model=None):
         import torch
 
-        for name in ("max_seq_len", "max_tokens_per_micro_batch"):
+        for name, why in SETTINGS_UNSUPPORTED.items():
             if getattr(settings, name, None) is not None:
-                raise NotImplementedError(
-                    f"TRL {TRL_VERSION}'s GRPOTrainer has no counterpart for setting {name!r}: "
-                    "it neither truncates sequences at train time nor packs micro-batches by a "
-                    "token budget (GRPOConfig has no such option)")
+                raise ValueError(f"TrainerSettings.{name} = {getattr(settings, name)!r} has no "
+                                 f"TRL counterpart: {why}")
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
@@ -263,19 +298,16 @@ class TRLCore:
         self.family.save(path, model.cpu())
         policy = type(model).from_pretrained(path, attn_implementation="eager",
                                              dtype=settings.dtype)
-        beta = variant.beta if variant.beta is not None and not settings.kl_coef \
-            else settings.kl_coef
         m = settings.micro_batch_size
         if m <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {m}")
+        self.options = trl_options(settings.loss, variant)
         self.args = GRPOConfig(
             output_dir=f"{path}/out", report_to="none", save_strategy="no",
             logging_strategy="no", disable_tqdm=True, use_cpu=self.device.type == "cpu",
             bf16=settings.dtype == torch.bfloat16, seed=settings.seed,
             learning_rate=settings.lr, weight_decay=0.0, lr_scheduler_type="constant",
-            max_grad_norm=settings.max_grad_norm if settings.max_grad_norm is not None else 0.0,
-            epsilon=settings.clip_low, epsilon_high=settings.clip_high, beta=beta,
-            num_iterations=variant.num_iterations,
+            **self.options,
             # placeholders valid for any micro-batch size (the generation batch must hold
             # whole groups of num_generations); each pass sets the numbers of its batch
             per_device_train_batch_size=m, steps_per_generation=2,
@@ -365,53 +397,71 @@ class TRLCore:
         return (self.settings.seed * 1_000_003 + self.steps) * 1_009 + shard_index
 
     def train(self, shards):
-        """One optimizer step over every micro-batch of every shard (see module docstring)."""
+        """Every optimizer step of one generation batch (the point's epochs: TRL's
+        num_iterations) over every shard, through TRL's own step (see the module docstring)."""
         import torch
 
         from rlconform.reference_impl.trainer import StepResult
 
         t = self.trainer
         shards = [self.generation_batch(_without_none(b)) for b in shards]
+        world = len(shards)
         stage = _stage().TRAIN
         gens = [trl_inputs(b, stage, self.settings.dtype, self.family) for b in shards]
-        # TRL: num_items_in_batch = gather(loss_mask.sum()).sum(), loss_mask =
-        # completion_mask * tool_mask, summed over every rank
+        # TRL: num_items_in_batch = gather(loss_mask.sum()).sum() over every rank, and dapo
+        # divides each rank's loss by it / num_processes; here num_processes is 1, so each
+        # emulated rank gets the share a real rank divides by
         items = sum((g["completion_mask"] * g["tool_mask"]).sum() for g in gens)
-        t.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        metrics: dict[str, list] = {}
         for r, gen in enumerate(gens):
             # TRL's generation batch holds old / reference logprobs only where TRL computes them
             if not self.runs_pass(_stage().LOGPROB, len(shards[r])):
                 gen.pop("old_per_token_logps", None)
             if not self.runs_pass(_stage().REFERENCE_LOGPROB, len(shards[r])):
                 gen.pop("ref_per_token_logps", None)
-            _, n = self._configure(len(shards[r]))
-            gen["num_items_in_batch"] = torch.as_tensor(items)
-            for mb in trl_micro_batches(gen, n, self.step_seed(r)):
-                mb = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                      for k, v in mb.items()}
-                with _Capture(t) as cap, t.compute_loss_context_manager():
-                    loss = t.compute_loss(t.model, mb)
-                t.accelerator.backward(loss)
-                total += float(loss.detach())
-                for k, v in self.metrics(mb, cap.calls[-1][0]).items():
-                    metrics.setdefault(k, []).append(v.cpu())
-        params = [p for p in t.model.parameters() if p.grad is not None]
-        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None \
-            else math.inf
-        grad_norm = t.accelerator.clip_grad_norm_(params, max_norm) if params \
-            else torch.zeros(())
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        return StepResult(total, {k: torch.cat(v) for k, v in metrics.items()},
-                          float(grad_norm), {"normalizer": float(items), "step": self.steps})
+            gen["num_items_in_batch"] = torch.as_tensor(items) / world
+        t.model.train()
+        buffers: list = [None] * world
+        results = []
+        for iteration in range(self.settings.loss.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            total, metrics = 0.0, {}
+            for r, gen in enumerate(gens):
+                _, n = self._configure(len(shards[r]))
+                # the per-process state of a generation batch that _prepare_inputs keeps (its
+                # buffer of micro-batches and the micro-step counter), one per emulated rank:
+                # iteration 0 splits and shuffles the batch, later ones reuse the buffer
+                t._buffered_inputs, t._step = buffers[r], iteration * n
+                with _Watch(t) as seen, _ddp_mean(t.model, world):
+                    for micro in range(n):
+                        with _seeded(self.step_seed(r)) if micro == 0 and iteration == 0 \
+                                else contextlib.nullcontext():
+                            loss = t.training_step(t.model, gen, None)
+                        total += float(loss) / world
+                buffers[r] = t._buffered_inputs
+                for mb, logp, entropy in seen.calls:
+                    for k, v in self.metrics(mb, logp, entropy).items():
+                        metrics.setdefault(k, []).append(v.cpu())
+            cfg = self.settings.loss
+            params = [p for p in t.model.parameters() if p.grad is not None]
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+            # as Trainer._inner_training_loop does at the end of an accumulation window
+            grad_norm = t.accelerator.clip_grad_norm_(params, max_norm) if params \
+                else torch.zeros(())
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+            results.append(StepResult(total, {k: torch.cat(v) for k, v in metrics.items()},
+                                      float(grad_norm), {"normalizer": float(items),
+                                                         "step": self.steps}))
+        first = results[0]
+        if len(results) > 1:
+            first.extra["optimizer_steps"] = results
+        return first
 
-    def metrics(self, mb: dict, logp):
-        """Per-token values over the loss tokens, by `_compute_loss`'s rules on TRL's numbers
-        (token-level importance sampling; loss types grpo/bnpo/dr_grpo/dapo)."""
+    def metrics(self, mb: dict, logp, entropy):
+        """What `_compute_loss` computed from TRL's own per-token logprobs, read back per token
+        over the loss tokens (TRL logs only batch means): its importance ratio coef_1 (token or
+        sequence level, before `delta`), the clamped coef_2, the KL estimate, the entropies."""
         import torch
 
         from rlconform.reference_impl.loss import generation_metrics, masked
@@ -420,27 +470,95 @@ class TRLCore:
         mask = mb["completion_mask"] * mb["tool_mask"]
         old = mb.get("old_per_token_logps")
         old = logp.detach() if old is None else old
-        adv = mb["advantages"]
-        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-        coef_1 = torch.exp(logp - old)
+        log_ratio = logp - old
+        if t.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+        coef_1 = torch.exp(log_ratio).expand_as(logp)
         coef_2 = torch.clamp(coef_1, 1 - t.epsilon_low, 1 + t.epsilon_high)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        out = {}
+        out = {"probs_ratio": masked(coef_1, mask), "probs_ratio_clamped": masked(coef_2, mask),
+               "clipped": masked((coef_1 != coef_2).float(), mask)}
         if t.beta != 0.0:
             ref = mb["ref_per_token_logps"]
-            kl = torch.exp(ref - logp) - (ref - logp) - 1
-            per_token = per_token + t.beta * kl
-            out["reference_kl"] = masked(kl, mask)
-        out.update({
-            "probs_ratio": masked(coef_1, mask),
-            "probs_ratio_clamped": masked(coef_2, mask),
-            "clipped": masked((coef_1 != coef_2).float(), mask),
-            "loss_per_token": masked(per_token, mask),
-        })
+            out["reference_kl"] = masked(torch.exp(ref - logp) - (ref - logp) - 1, mask)
+        if entropy is not None and t.entropy_coef:
+            out["entropy"] = masked(entropy, mask)
         gen = mb.get("sampling_per_token_logps")
         if gen is not None:
             out.update(generation_metrics(gen, old.detach(), mask))
         return out
+
+
+class _Watch:
+    """Stands in for `_generate_and_score_completions` and watches `compute_loss`.
+
+    The generation batch reaches TRL's `_prepare_inputs` already generated and scored: no TRL
+    function takes a batch that another engine generated and another driver scored (TRL builds
+    it only inside `_generate_and_score_completions`, from raw prompts and images, its own or a
+    `rollout_func`'s completions and its own rewards), so the stand-in returns the adapter's
+    batch as that function's result; everything after it is TRL's own code. `calls` keeps, per
+    micro-batch, what `compute_loss` received and the per-token logprobs and entropies its
+    `_get_per_token_logps_and_entropies` returned."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.calls: list[tuple] = []
+
+    def __enter__(self):
+        t = self.trainer
+        logps = type(t)._get_per_token_logps_and_entropies.__get__(t)
+        compute_loss = type(t).compute_loss.__get__(t)
+        current: dict = {}
+
+        def scored(*args, **kwargs):
+            out = logps(*args, **kwargs)
+            current["logps"] = out
+            return out
+
+        def loss(model, inputs, *args, **kwargs):
+            current.clear()
+            value = compute_loss(model, inputs, *args, **kwargs)
+            logp, entropy, _ = current["logps"]
+            self.calls.append((inputs, logp.detach(), None if entropy is None
+                               else entropy.detach()))
+            return value
+
+        t._generate_and_score_completions = lambda generation_batch: generation_batch
+        t._get_per_token_logps_and_entropies = scored
+        t.compute_loss = loss
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("_generate_and_score_completions", "_get_per_token_logps_and_entropies",
+                     "compute_loss"):
+            self.trainer.__dict__.pop(name, None)
+        return False
+
+
+@contextlib.contextmanager
+def _ddp_mean(model, world: int):
+    """DDP's gradient all-reduce (the mean over `world` ranks), emulated in one process: each
+    emulated rank's backward contributes 1/world of its gradient."""
+    if world == 1:
+        yield
+        return
+    hooks = [p.register_hook(lambda g: g / world) for p in model.parameters()
+             if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """TRL's shuffle_sequence_dict draws from the global torch RNG: seed it for the call that
+    shuffles, inside a forked RNG (both trainer paths then shuffle alike)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _no_reward(prompts=None, completions=None, **kwargs):
@@ -466,7 +584,8 @@ _NO_OP = ("TRL {v} has no {what} of its own to wrap (GRPOTrainer pads prompts an
 
 
 class TRLBatchOps:
-    """`micro_batches` through TRL's own helpers (capability `micro_batching`).
+    """`micro_batches` through TRL's own helpers, for tests/test_backends_trl.py (not a declared
+    surface: TRL's split runs inside the trainer surface's step, see `_NOTES["batch_ops"]`).
 
     The batch becomes TRL's generation-batch dict: tensors as they are, object columns as
     per-row lists (TRL moves any per-row list with its row), image media as the model-input
@@ -684,12 +803,17 @@ def _backend(variant: str) -> Backend:
     def trainer(settings, transport=None, codec=None, model=None):
         return make_trainer(variant, settings, transport, codec, model)
 
+    def loss_options(config) -> dict:
+        """The GRPOConfig options of an rlconform point (NotImplementedError: none)."""
+        return trl_options(config, VARIANTS[variant])
+
+    trainer.loss_options = loss_options
+    trainer.settings_unsupported = dict(SETTINGS_UNSUPPORTED)
+
     return Backend(
         name=variant,
         description=VARIANTS[variant].description,
         trainer=trainer,
-        batch_ops=TRLBatchOps,
-        capabilities=frozenset({"micro_batching"}),
         notes=dict(_NOTES),
         version=package_version("trl", "TRL"),
     )

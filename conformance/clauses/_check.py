@@ -24,6 +24,10 @@ def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:
     if want.dtype != got.dtype:
         return f"column {name!r} came back {got.dtype}, written {want.dtype}"
     if want.is_nested:
+        tw, tg = tuple(want.values().shape[1:]), tuple(got.values().shape[1:])
+        if tw != tg:  # seen even with zero rows, where no row shape says it
+            return f"column {name!r} came back with rows (j, *{list(tg)}), written " \
+                   f"(j, *{list(tw)})"
         a, b = want.unbind(), got.unbind()
         if len(a) != len(b):
             return f"column {name!r} has {len(b)} rows, written {len(a)}"
@@ -378,6 +382,49 @@ def scribble(obj) -> int:
         return 0
 
     return go(obj)
+
+
+def tag_difference(want, got, path: str = "tag") -> str | None:
+    """Why tag value `got` is not exactly `want`, or None. Exact means the same type at every
+    level (a tuple is not a list, an int key not a str key, 1 not 1.0, True not 1), the same
+    dict keys, and floats equal with NaN equal to NaN and the sign of zero kept."""
+    import math
+
+    if type(want) is not type(got):
+        return f"{path} came back as {type(got).__name__} {got!r}, put as " \
+               f"{type(want).__name__} {want!r}"
+    if isinstance(want, float):
+        same = (math.isnan(want) and math.isnan(got)) or (
+            want == got and math.copysign(1.0, want) == math.copysign(1.0, got))
+        return None if same else f"{path} came back {got!r}, put {want!r}"
+    if isinstance(want, dict):
+        lost = [k for k in want if k not in got]
+        extra = [k for k in got if k not in want]
+        if lost or extra:
+            return f"{path} lost keys {lost!r} and has extra keys {extra!r}" \
+                   f" (key types put: {sorted({type(k).__name__ for k in want})})"
+        for k in want:
+            why = tag_difference(want[k], got[k], f"{path}[{k!r}]")
+            if why:
+                return why
+        return None
+    if isinstance(want, (list, tuple)):
+        if len(want) != len(got):
+            return f"{path} has {len(got)} items, put {len(want)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            why = tag_difference(a, b, f"{path}[{i}]")
+            if why:
+                return why
+        return None
+    return None if want == got else f"{path} came back {got!r}, put {want!r}"
+
+
+def assert_tags_equal(want: list, got: list, what: str) -> None:
+    assert isinstance(got, list), f"{what}: tags came back as {type(got).__name__}, not a list"
+    assert len(got) == len(want), f"{what}: {len(got)} tags for {len(want)} keys"
+    for i, (a, b) in enumerate(zip(want, got)):
+        why = tag_difference(a, b, f"tags[{i}]")
+        assert why is None, f"{what}: {why}"
 
 
 def expect_stored(read, what: str):

@@ -25,6 +25,7 @@ from rlconform.conformance.catalogue_trainer import (
 )
 from rlconform.conformance.clauses._check import expect_accepted
 from rlconform.conformance.clauses._memory import new_trainer
+from rlconform.conformance.plugin import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, legacy_step
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.recording import (
@@ -121,6 +122,13 @@ def rollouts(device, dtype, seed):
         torch.set_num_threads(1)
     yield Rollouts.shared(device, dtype, seed)
     torch.set_num_threads(threads)
+
+
+def settings_not_declared(backend, *names: str) -> dict[str, str]:
+    """Of the TrainerSettings fields `names`, those the backend's trainer declares it has no
+    counterpart for (the trainer factory's `settings_unsupported`: field -> why)."""
+    declared = getattr(backend.trainer, "settings_unsupported", None) or {}
+    return {n: declared[n] for n in names if n in declared}
 
 
 def _step(backend, transport, codec, meta_cls, settings, batch, **kw):
@@ -408,6 +416,10 @@ def _prev_rows(rec: RecordingTransport) -> list[torch.Tensor]:
 def test_truncation_and_dynamic_micro_batches_keep_media(backend, transport, codec, meta_cls,
                                                          dtype, record_metric, rollouts,
                                                          family):
+    lacking = settings_not_declared(backend, "max_seq_len", "max_tokens_per_micro_batch")
+    if lacking:
+        pytest.skip(NA_PREFIX + "the trainer declares no counterpart for " + "; ".join(
+            f"{k} ({why})" for k, why in lacking.items()))
     batch, _, _ = rollouts.get(family, MIXED, 3, group=2)
     lens = batch["input_lengths"].tolist()
     # distinct prompts side by side, shortest first, so a micro-batch mixes samples whose

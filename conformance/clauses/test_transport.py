@@ -290,6 +290,34 @@ def test_no_aliasing(transport, mutate):
     assert_columns_equal(want, again)
 
 
+@pytest.mark.clause("DP-NO-ALIAS")
+def test_tags_are_not_aliased(transport):
+    """Tags at every depth: the caller's after put, and the ones a get returned."""
+    import copy
+
+    def tags_of(n):
+        # JSON-safe on purpose: whether tuples stay tuples is DP-TAG-VALUES' question
+        return [{"shapes": [[i + 1, 2]], "meta": {"ids": [i]}, "t": [i, [i]]} for i in range(n)]
+
+    tags = tags_of(3)
+    want = copy.deepcopy(tags)
+    assert all(isinstance(t["meta"]["ids"], list) for t in tags), "fixture lost its nesting"
+    keys, part = keys_for(3), _partition()
+    transport.put(part, keys, {"rewards": _block(3)}, tags)
+    tags[0]["shapes"][0][0] = 99
+    tags[1]["meta"]["ids"].append(-1)
+    tags[2]["t"][1].append(-1)
+    tags[0]["new"] = True
+    _, got = transport.get(part, keys, select_fields=["rewards"])
+    assert got == want, f"mutating the caller's tags after put changed the store: {got}"
+    got[0]["shapes"][0][0] = -5
+    got[1]["meta"]["ids"].clear()
+    got[2]["t"][1].append(7)
+    got[0]["fetched"] = 1
+    _, again = transport.get(part, keys, select_fields=["rewards"])
+    assert again == want, f"mutating the tags a get returned changed the store: {again}"
+
+
 @pytest.mark.clause("DP-ROUNDTRIP", "WIRE-TRANSPORT-ROUNDTRIP")
 @pytest.mark.parametrize("form", ["multi_modal_inputs", "mm_train_inputs"])
 @pytest.mark.parametrize("family", ["qwen3_vl", "idefics3", "nemotron_omni"])
@@ -354,3 +382,50 @@ def test_object_columns_roundtrip_without_aliasing(transport):
     merged, _ = transport.get(part, keys, select_fields=["multi_modal_inputs", "rewards"])
     assert want.first_difference(merged["multi_modal_inputs"]) is None, \
         "a later put of another column changed the object column"
+
+
+THROUGHPUT_REPEAT = 3
+
+
+@pytest.mark.clause("DP-ROUNDTRIP")
+def test_put_get_throughput_beside_the_reference(transport, record_metric):
+    """A realistic Qwen2-VL payload (bf16 patches, 1-3 images a row) put and fetched whole,
+    through this transport and through the in-memory reference in the same process: the
+    report carries both throughputs (MB/s, median of THROUGHPUT_REPEAT) beside each other; the
+    round trip must be exact."""
+    import statistics
+    import time
+
+    from rlconform.fixtures.synthetic import realistic_qwen_batch
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane, jagged_parts
+
+    wire = ReferenceCodec().encode(realistic_qwen_batch(16, 128))
+    data = [jagged_parts(c)[0] if c.is_nested else c for c in wire.columns.values()]
+    payload = sum(d.numel() * d.element_size() for d in data)
+    assert payload > 4e6 and "pixel_values" in wire.columns, "fixture lost its media"
+    keys, fields = keys_for(len(wire.tags)), list(wire.columns)
+
+    def rates(store) -> tuple[float, float, dict, list]:
+        puts, gets = [], []
+        for _ in range(THROUGHPUT_REPEAT):
+            part = _partition()
+            t0 = time.perf_counter()
+            store.put(part, keys, wire.columns, wire.tags)
+            t1 = time.perf_counter()
+            cols, tags = store.get(part, keys, select_fields=fields)
+            t2 = time.perf_counter()
+            store.clear(part)
+            puts.append(t1 - t0)
+            gets.append(t2 - t1)
+        mb = payload / 1e6
+        return mb / statistics.median(puts), mb / statistics.median(gets), cols, tags
+
+    ref_put, ref_get, _, _ = rates(InMemoryDataPlane())
+    put, get, cols, tags = rates(transport)
+    record_metric("payload_MB", payload / 1e6)
+    record_metric("put_MBps", put)
+    record_metric("get_MBps", get)
+    record_metric("reference_put_MBps", ref_put)
+    record_metric("reference_get_MBps", ref_get)
+    assert_columns_equal(wire.columns, cols)
+    assert tags == wire.tags, "tags came back different from what was put"

@@ -13,8 +13,10 @@ import math
 
 import torch
 
+from rlconform.conformance.backends.reference_trainer import loss_options
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.batch import Batch
+from rlconform.reference_impl.loss import Objective, StepNorm, k3
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import Kind, Stage, spec
 from rlconform.reference_impl.trainer import (
@@ -37,11 +39,15 @@ def _backend(dataplane_cls: type):
             codec = ReferenceCodec()
         return dataplane_cls(settings, transport, codec, model)
 
+    make_trainer.loss_options = loss_options  # the reference's: every point of the family
     return build(trainer=make_trainer)
 
 
-def _shared_backend(core_cls: type):
-    """A defect in the algorithm both paths share: the legacy trainer carries it too."""
+def _shared_backend(core_cls: type, axis=None):
+    """A defect in the algorithm both paths share: the legacy trainer carries it too. `axis`
+    (LossConfig -> bool): the configuration axis the defect lives in; the mutant then declares
+    only the grid points on that axis (the others cannot show it: tests/test_grpo_configs.py),
+    so a kill matrix runs its axis's cases and not the whole grid."""
 
     class _Legacy(LegacyTrainer):
         pass
@@ -62,7 +68,18 @@ def _shared_backend(core_cls: type):
 
     from rlconform.conformance.backends.reference import build
 
+    make_trainer.loss_options = loss_options if axis is None else _on_axis(axis)
     return build(trainer=make_trainer)
+
+
+def _on_axis(axis):
+    def options(config):
+        if not axis(config):
+            raise NotImplementedError("this mutant's defect lives on another configuration "
+                                      "axis: the point cannot show it")
+        return loss_options(config)
+
+    return options
 
 
 # -- forced on-policy ratio ---------------------------------------------------------------
@@ -227,10 +244,10 @@ class _MicroBatchMeanCore(GRPOCore):
                             for b in shards)
         return super().loss_normalizer(shards)
 
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         # the defect: each micro-batch's mean over its own tokens, averaged over micro-batches
         own = max(1.0, float(mb["token_mask"].sum()))
-        return super().micro_batch_loss(mb, logp, own * self._n_micro)
+        return super().micro_batch_loss(mb, logp, own * self._n_micro, entropy)
 
 
 @mutant("loss_mean_per_micro_batch", "gradient accumulation normalised each micro-batch's loss "
@@ -246,12 +263,13 @@ class _SequenceMeanCore(GRPOCore):
         super().loss_normalizer(shards)
         return float(sum(b.batch_size for b in shards))  # the defect: rows, not tokens
 
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         # each row's mean over its own tokens (a row with none counts as one), then the mean
         # over the step's rows: the weighted mask leaves the per-token metrics as they are
         mask = mb["token_mask"].to(logp.dtype)
         weighted = mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
-        return super().micro_batch_loss(mb.replace(token_mask=weighted), logp, normalizer)
+        return super().micro_batch_loss(mb.replace(token_mask=weighted), logp, normalizer,
+                                        entropy)
 
 
 @mutant("sequence_mean_loss", "the loss was aggregated as a sequence-mean (mean over each "
@@ -281,14 +299,13 @@ def dp_grad_wrong_divisor():
     return _shared_backend(_DPDivisorCore)
 
 
+class _ClipUpperObjective(Objective):
+    def clipped(self, ratio, cfg):
+        return ratio.clamp(max=1.0 + cfg.clip_high)  # the defect: the lower bound dropped
+
+
 class _ClipUpperCore(GRPOCore):
-    def micro_batch_loss(self, mb, logp, normalizer):
-        saved = self.settings  # the defect: clamp(max=1 + eps) only, the lower bound dropped
-        self.settings = dataclasses.replace(saved, clip_low=math.inf)
-        try:
-            return super().micro_batch_loss(mb, logp, normalizer)
-        finally:
-            self.settings = saved
+    objective = _ClipUpperObjective()
 
 
 @mutant("clip_upper_only", "the ratio was clipped as min(ratio, 1 + eps) only: for negative "
@@ -299,10 +316,10 @@ def clip_upper_only():
 
 
 class _WrongAxisCore(GRPOCore):
-    def micro_batch_loss(self, mb, logp, normalizer):
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
         b, s = logp.shape  # the defect: [B] expanded on a new leading axis, then reshaped
         adv = mb["advantages"].to(logp.device).expand(s, b).reshape(b, s)
-        return super().micro_batch_loss(mb.replace(advantages=adv), logp, normalizer)
+        return super().micro_batch_loss(mb.replace(advantages=adv), logp, normalizer, entropy)
 
 
 @mutant("advantage_wrong_axis", "per-sample advantages broadcast to per-token on the wrong "
@@ -330,3 +347,225 @@ class _DetachedNormalizerCore(GRPOCore):
         "gradient w.r.t. the logits lacks the -softmax term", "trainer")
 def logprob_detached_normalizer():
     return _shared_backend(_DetachedNormalizerCore)
+
+
+# -- the GRPO configuration axes: each defect lives in one option of the objective family
+# (reference_impl.loss.LossConfig), so the default point cannot see it and only the grid points
+# of that axis can (tests/test_grpo_configs.py checks that no other point does) ------------
+def _objective_backend(objective_cls: type, axis):
+    """The reference whose objective has one part replaced (both trainer paths share it)."""
+
+    class _Core(GRPOCore):
+        objective = objective_cls()
+
+    return _shared_backend(_Core, axis)
+
+
+def _aggregation(config) -> bool:
+    return config.aggregation != "token-mean"
+
+
+class _SwappedBounds(Objective):
+    def clipped(self, ratio, cfg):
+        return ratio.clamp(1.0 - cfg.clip_high, 1.0 + cfg.clip_low)  # the defect
+
+
+@mutant("clip_bounds_swapped", "asymmetric clipping with the two epsilons swapped: the ratio "
+        "clipped to [1 - clip_high, 1 + clip_low], so clip-higher lowers the upper bound "
+        "instead of raising it; identical at a symmetric clip", "trainer")
+def clip_bounds_swapped():
+    return _objective_backend(_SwappedBounds, lambda c: c.clip_low != c.clip_high)
+
+
+class _DualClipBothSigns(Objective):
+    def surrogate(self, ratio, adv, cfg):
+        loss = -torch.minimum(ratio * adv, self.clipped(ratio, cfg) * adv)
+        if cfg.dual_clip is not None:  # the defect: no `advantage < 0` condition
+            loss = torch.minimum(loss, -cfg.dual_clip * adv)
+        return loss
+
+
+@mutant("dual_clip_on_positive_advantages", "the dual-clip bound min(loss, -c A) applied to "
+        "every token, not only to negative advantages: each positive-advantage token's loss "
+        "becomes -c A, a constant without gradient", "trainer")
+def dual_clip_on_positive_advantages():
+    return _objective_backend(_DualClipBothSigns, lambda c: c.dual_clip is not None)
+
+
+class _SequenceProduct(Objective):
+    def ratio(self, logp, prev, mask, cfg):
+        if cfg.ratio_level == "token":
+            return super().ratio(logp, prev, mask, cfg)
+        # the defect: the product of the token ratios, not their geometric mean
+        return torch.exp(((logp - prev) * mask).sum(dim=1, keepdim=True)).expand_as(logp)
+
+
+@mutant("sequence_ratio_product", "the GSPO sequence ratio taken as the product of the row's "
+        "token ratios (exp of the summed log-ratio) instead of their geometric mean: long rows "
+        "clip at once", "trainer")
+def sequence_ratio_product():
+    return _objective_backend(_SequenceProduct, lambda c: c.ratio_level == "sequence")
+
+
+class _AlwaysK3(Objective):
+    def kl(self, logp, ref, cfg):
+        return super().kl(logp, ref, dataclasses.replace(cfg, kl_estimator="k3"))  # the defect
+
+
+@mutant("kl_estimator_ignored", "the configured KL estimator ignored: k3 whatever k1 or k2 was "
+        "asked for (one KL function shared by every configuration)", "trainer")
+def kl_estimator_ignored():
+    return _objective_backend(_AlwaysK3, lambda c: c.kl_coef > 0)
+
+
+class _ReversedK3(Objective):
+    def kl(self, logp, ref, cfg):
+        if cfg.kl_estimator != "k3":
+            return super().kl(logp, ref, cfg)
+        return k3(logp - ref)  # the defect: x = log(pi / pi_ref) instead of log(pi_ref / pi)
+
+
+@mutant("kl_k3_reversed", "the k3 estimator with its log-ratio reversed (e^d - 1 - d with d = "
+        "logp - ref): it estimates KL(ref || policy) from the policy's samples, biased, and "
+        "pushes the other way", "trainer")
+def kl_k3_reversed():
+    return _objective_backend(_ReversedK3, lambda c: c.kl_coef > 0)
+
+
+class _DetachedKLWeight(Objective):
+    def kl_term(self, kl, ratio, cfg):
+        return kl * ratio.detach() if cfg.kl_ratio_weighted else kl  # the defect
+
+
+@mutant("kl_ratio_weight_detached", "the ratio weighting the KL term (DeepSeek-V3.2's unbiased "
+        "estimator, TRL use_bias_correction_kl) detached: the value is right, the gradient "
+        "misses the estimate times the ratio's own gradient", "trainer")
+def kl_ratio_weight_detached():
+    return _objective_backend(_DetachedKLWeight, lambda c: c.kl_coef > 0)
+
+
+class _NonEmptyRowsCore(GRPOCore):
+    def row_normalizer(self, shards):
+        if self.settings.loss.aggregation == "token-mean":
+            return super().row_normalizer(shards)
+        from rlconform.reference_impl.ranks import dp_sum
+
+        # the defect: only rows with loss tokens count
+        return max(1.0, float(dp_sum(sum(int((b["token_mask"].sum(dim=1) > 0).sum())
+                                         for b in shards))))
+
+
+@mutant("seq_mean_excludes_empty_rows", "the sequence-mean and constant aggregations divided by "
+        "the rows that have loss tokens, not by every row of the step (verl 0.9.1 agg_loss's "
+        "convention, not the declared point's): every other row weighs B / (B - empty) too "
+        "much", "trainer")
+def seq_mean_excludes_empty_rows():
+    return _shared_backend(_NonEmptyRowsCore, _aggregation)
+
+
+class _PaddedWidth(Objective):
+    def weights(self, mask, norm, cfg):
+        if cfg.aggregation != "constant":
+            return super().weights(mask, norm, cfg)
+        # the defect: the micro-batch's padded width instead of the configured constant
+        return mask.new_full((mask.shape[0], 1), 1.0 / (norm.rows * mask.shape[1]))
+
+
+@mutant("constant_normalizer_from_padded_width", "Dr. GRPO's constant normaliser taken as the "
+        "micro-batch's padded length (verl's seq-mean-token-sum-norm default, "
+        "loss_mask.shape[-1]) instead of the configured constant: the weight of a token "
+        "depends on its neighbours' lengths and on the split", "trainer")
+def constant_normalizer_from_padded_width():
+    return _objective_backend(_PaddedWidth, _aggregation)
+
+
+class _MicroBatchRowsCore(GRPOCore):
+    def optimizer_step(self, shards):
+        self._n_micro = sum(len(micro_batch_rows(b.seq_lens.tolist(), self.settings))
+                            for b in shards)
+        return super().optimizer_step(shards)
+
+    def micro_batch_loss(self, mb, logp, normalizer, entropy=None):
+        if isinstance(normalizer, StepNorm) and self.settings.loss.aggregation != "token-mean":
+            # the defect: each micro-batch's own rows, averaged over the micro-batches
+            normalizer = StepNorm(normalizer.tokens, float(mb.batch_size * self._n_micro))
+        return super().micro_batch_loss(mb, logp, normalizer, entropy)
+
+
+@mutant("seq_mean_per_micro_batch", "the sequence-mean aggregations averaged within each "
+        "micro-batch and then over micro-batches: right only when every micro-batch (and "
+        "rank) holds as many rows", "trainer")
+def seq_mean_per_micro_batch():
+    return _shared_backend(_MicroBatchRowsCore, _aggregation)
+
+
+class _CapOnRatio(Objective):
+    def ratio(self, logp, prev, mask, cfg):
+        r = super().ratio(logp, prev, mask, cfg)
+        return r if cfg.is_cap is None else r.clamp(max=cfg.is_cap)  # the defect: cap here ...
+
+    def is_weight(self, prev, gen, cfg):
+        return torch.exp(prev - gen).detach()  # ... and the importance weight left uncapped
+
+
+@mutant("is_cap_on_policy_ratio", "the truncated importance-sampling cap applied to the "
+        "policy's ratio exp(logp - prev) instead of the engine-mismatch weight exp(prev - gen), "
+        "which then weighs its token uncapped", "trainer")
+def is_cap_on_policy_ratio():
+    return _objective_backend(_CapOnRatio, lambda c: c.is_cap is not None)
+
+
+class _EntropyEverywhere(Objective):
+    def entropy_sum(self, entropy, mask):
+        return entropy.sum()  # the defect: every attended position, the prompt's too
+
+
+@mutant("entropy_unmasked", "the entropy bonus summed over every attended position (prompt "
+        "included) instead of the loss tokens", "trainer")
+def entropy_unmasked():
+    return _objective_backend(_EntropyEverywhere, lambda c: c.entropy_coef > 0)
+
+
+class _NoClipCore(GRPOCore):
+    def clip_gradients(self):
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # the defect: the norm is computed and reported, the gradient is never scaled
+        return torch.nn.utils.clip_grad_norm_(params, math.inf) if params else torch.zeros(())
+
+
+@mutant("grad_clip_not_applied", "gradient-norm clipping computed and logged but not applied: "
+        "the optimizer steps on the unclipped gradient", "trainer")
+def grad_clip_not_applied():
+    return _shared_backend(_NoClipCore, lambda c: c.max_grad_norm is not None)
+
+
+class _RefreshedOldCore(GRPOCore):
+    def old_logprobs(self, mb, logp):
+        if self.batch_step == 0:
+            return super().old_logprobs(mb, logp)
+        return logp.detach()  # the defect: the prev pass re-run before each later step
+
+
+@mutant("old_logprobs_refreshed_per_step", "the old logprobs recomputed from the current policy "
+        "before every optimizer step of a batch (epochs, mini-batches): each step is on-policy, "
+        "the ratio stays 1 and the clip never acts", "trainer")
+def old_logprobs_refreshed_per_step():
+    return _shared_backend(_RefreshedOldCore, lambda c: c.optimizer_steps > 1)
+
+
+class _WholeBatchNormCore(GRPOCore):
+    def train(self, shards):
+        self._batch_tokens = sum(int(b["token_mask"].sum()) for b in shards)
+        return super().train(shards)
+
+    def loss_normalizer(self, shards):
+        n = super().loss_normalizer(shards)
+        # the defect: each mini-batch's loss divided by the whole generation batch's tokens
+        return max(1.0, float(self._batch_tokens)) if self.settings.loss.mini_batches > 1 else n
+
+
+@mutant("mini_batch_normalized_by_whole_batch", "each mini-batch's token-mean divided by the "
+        "token count of the whole generation batch instead of its own: every optimizer step's "
+        "loss and gradient shrunk by its share of the tokens", "trainer")
+def mini_batch_normalized_by_whole_batch():
+    return _shared_backend(_WholeBatchNormCore, lambda c: c.optimizer_steps > 1)

@@ -223,7 +223,8 @@ def _alias_put():
     class T(InMemoryDataPlane):
         def put(self, partition, keys, columns, tags=None):
             super().put(partition, keys, columns, tags)
-            _rebind(self._rows[partition], keys, columns)
+            if keys:  # a put of no keys stores nothing to alias
+                _rebind(self._rows[partition], keys, columns)
 
     return _with(T)()
 
@@ -431,5 +432,453 @@ def _interned_shapes():
 
                     _shape_lists(t, intern)
             super().put(partition, keys, columns, tags)
+
+    return _with(T)()
+
+
+# -- untrusted input: names, tags, layouts, empty calls, order, arguments ------------------------
+def _rows_in(col, idx: list[int]):
+    """Rows `idx` of a column, in that order (dense or jagged; object columns as they are)."""
+    if not isinstance(col, torch.Tensor):
+        return col
+    if col.is_nested:
+        rows = col.unbind()
+        return torch.nested.nested_tensor([rows[i] for i in idx], layout=torch.jagged)
+    return col[idx]
+
+
+class _Renamed(InMemoryDataPlane):
+    """The reference storing every partition and key under `self.rename(name)`."""
+
+    def rename(self, name):
+        return name
+
+    def put(self, partition, keys, columns, tags=None):
+        super().put(self.rename(partition), [self.rename(k) for k in keys], columns, tags)
+
+    def get(self, partition, keys, select_fields=None):
+        return super().get(self.rename(partition), [self.rename(k) for k in keys],
+                           select_fields)
+
+    def list(self, partition):
+        return super().list(self.rename(partition))
+
+    def clear(self, partition, keys=None):
+        super().clear(self.rename(partition),
+                      None if keys is None else [self.rename(k) for k in keys])
+
+
+@mutant("names_trimmed", "the store trimmed leading and trailing whitespace off names (a "
+        "cleanup of user input): ' lead' lists as 'lead', and 'p' and 'p ' are one partition",
+        "transport")
+def _names_trimmed():
+    class T(_Renamed):
+        def rename(self, name):
+            return name.strip() if isinstance(name, str) and name.strip() else name
+
+    return _with(T)()
+
+
+@mutant("long_names_truncated", "the store cut names to 250 characters (a filesystem-style "
+        "limit): a long key lists as its first 250 characters", "transport")
+def _long_truncated():
+    class T(_Renamed):
+        def rename(self, name):
+            return name[:250] if isinstance(name, str) else name
+
+    return _with(T)()
+
+
+@mutant("refused_names_accepted", "the store accepted any name, the empty string, NUL, a lone "
+        "surrogate, non-str and over-long ones included (stored under its repr)", "transport")
+def _names_accepted():
+    from rlconform.reference_impl.dataplane import check_name
+
+    class T(_Renamed):
+        def rename(self, name):
+            try:
+                return check_name("name", name)
+            except (TypeError, ValueError):
+                return "\x01" + repr(name)[:200]
+
+    return _with(T)()
+
+
+@mutant("names_joined_with_separator", "the store kept one flat key space, `<partition>:<key>`: "
+        "partition 'p:a' key 'b' and partition 'p' key 'a:b' are one record", "transport")
+def _joined():
+    ALL = "all"
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(ALL, [f"{partition}:{k}" for k in keys], columns, tags)
+
+        def get(self, partition, keys, select_fields=None):
+            if not any(k.startswith(f"{partition}:") for k in self._all()):
+                raise KeyError(f"partition {partition!r} does not exist")
+            return super().get(ALL, [f"{partition}:{k}" for k in keys], select_fields)
+
+        def _all(self):
+            return list(self._rows.get(ALL, {}))
+
+        def list(self, partition):
+            found = [k[len(partition) + 1:] for k in self._all() if k.startswith(f"{partition}:")]
+            if not found:
+                raise KeyError(f"partition {partition!r} does not exist")
+            return found
+
+        def clear(self, partition, keys=None):
+            if keys is None:
+                keys = [k[len(partition) + 1:] for k in self._all()
+                        if k.startswith(f"{partition}:")]
+            super().clear(ALL, [f"{partition}:{k}" for k in keys])
+
+    return _with(T)()
+
+
+@mutant("partition_list_by_prefix", "list and clear of a partition matched every partition "
+        "whose name starts with it (a prefix scan, SCAN MATCH 'p*'): list('p') shows 'pp''s "
+        "keys and clear('p') removes them", "transport")
+def _prefix_scan():
+    class T(InMemoryDataPlane):
+        def _matching(self, partition):
+            return [p for p in self._rows if p.startswith(partition)]
+
+        def list(self, partition):
+            parts = self._matching(partition)
+            if not parts:
+                raise KeyError(f"partition {partition!r} does not exist")
+            return [k for p in parts for k in self._rows[p]]
+
+        def clear(self, partition, keys=None):
+            if keys is not None:
+                return super().clear(partition, keys)
+            for p in self._matching(partition) or [partition]:
+                super().clear(p)
+
+    return _with(T)()
+
+
+@mutant("partition_names_case_folded", "partition names were compared case-insensitively (a "
+        "store on a case-insensitive collation or filesystem): 'P' and 'p' are one partition",
+        "transport")
+def _case_folded():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(_fold(partition), keys, columns, tags)
+
+        def get(self, partition, keys, select_fields=None):
+            return super().get(_fold(partition), keys, select_fields)
+
+        def list(self, partition):
+            return super().list(_fold(partition))
+
+        def clear(self, partition, keys=None):
+            super().clear(_fold(partition), keys)
+
+    return _with(T)()
+
+
+def _fold(name):
+    return name.casefold() if isinstance(name, str) and name else name
+
+
+def _map_tag(v, fn):
+    """`fn` applied to every float inside a tag, containers rebuilt as they were."""
+    if isinstance(v, float):
+        return fn(v)
+    if isinstance(v, dict):
+        return {k: _map_tag(x, fn) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_tag(x, fn) for x in v)
+    return v
+
+
+@mutant("tags_through_json", "tags were stored as JSON: tuples come back as lists and int dict "
+        "keys as str", "transport")
+def _tags_json():
+    import json
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            from rlconform.reference_impl.dataplane import check_tags
+
+            check_tags(tags, len(list(keys)))
+            super().put(partition, keys, columns,
+                        None if tags is None else json.loads(json.dumps(list(tags))))
+
+    return _with(T)()
+
+
+@mutant("tag_floats_as_float32", "the metadata store kept tag floats as float32: 0.1 comes back "
+        "0.10000000149011612", "transport")
+def _tag_float32():
+    import math
+    import struct
+
+    def f32(x: float) -> float:
+        try:
+            return struct.unpack("f", struct.pack("f", x))[0]
+        except OverflowError:
+            return math.copysign(math.inf, x)
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns,
+                        None if tags is None else [_map_tag(t, f32) for t in tags])
+
+    return _with(T)()
+
+
+@mutant("refused_tags_accepted", "put stored any tag value by deep copy (a set, bytes, a "
+        "tensor, an object, a float key): a store without pickle cannot carry them", "transport")
+def _tags_accepted():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            keys = list(keys)
+            super().put(partition, keys, columns, None)
+            if tags is not None and keys:
+                for k, t in zip(keys, tags):
+                    self._tags[partition][k].update(copy.deepcopy(t))
+
+    return _with(T)()
+
+
+@mutant("layout_replaced_on_reput", "a put of a stored field in another layout replaced the "
+        "recorded layout (layouts kept per put, never compared): the rows written earlier come "
+        "back in the new layout", "transport")
+def _layout_replaced():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            for name in columns:
+                self._layouts.get(partition, {}).pop(name, None)
+            super().put(partition, keys, columns, tags)
+
+    return _with(T)()
+
+
+@mutant("partial_put_on_layout_conflict", "put wrote field by field and checked each field's "
+        "layout as it went: a conflict in the second field left the first one stored",
+        "transport")
+def _partial_put():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            if not columns:
+                return super().put(partition, keys, columns, tags)
+            for i, (name, col) in enumerate(columns.items()):
+                super().put(partition, keys, {name: col}, tags if i == 0 else None)
+
+    return _with(T)()
+
+
+@mutant("get_of_no_keys_returns_nothing", "get of no keys returned no columns ('nothing to "
+        "fetch')", "transport")
+def _empty_get_nothing():
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            if not keys:
+                self._partition(partition)
+                return {}, []
+            return super().get(partition, keys, select_fields)
+
+    return _with(T)()
+
+
+@mutant("empty_get_loses_layout", "get of no keys returned torch.empty(0) for every field, "
+        "whatever its layout and dtype", "transport")
+def _empty_get_layout():
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            if not keys:
+                cols = {name: torch.empty(0) for name in cols}
+            return cols, tags
+
+    return _with(T)()
+
+
+@mutant("clear_of_no_keys_clears_partition", "clear tested its key list for truth (`if not "
+        "keys`), so clear(p, []) cleared the whole partition", "transport")
+def _clear_empty():
+    class T(InMemoryDataPlane):
+        def clear(self, partition, keys=None):
+            super().clear(partition, keys or None)
+
+    return _with(T)()
+
+
+@mutant("contiguous_span_checked_at_ends", "get copied the stored block in one piece when the "
+        "first and last keys asked sat at its ends, without checking the keys between: a "
+        "shuffled middle comes back in storage order", "transport")
+def _span_at_ends():
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            order = {k: i for i, k in enumerate(self._rows.get(partition, {}))}
+            pos = [order[k] for k in keys]
+            if len(pos) > 2 and pos[-1] - pos[0] == len(pos) - 1 and \
+                    sorted(pos) == list(range(pos[0], pos[-1] + 1)):
+                stored = sorted(range(len(pos)), key=pos.__getitem__)
+                cols = {n: _rows_in(c, stored) for n, c in cols.items()}
+            return cols, tags
+
+    return _with(T)()
+
+
+@mutant("rows_grouped_by_put", "get gathered rows block by block (one block per put) and "
+        "concatenated the blocks in put order: keys of a later put asked first come back last",
+        "transport")
+def _grouped():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns, tags)
+            block = self.__dict__.setdefault("_block", {})
+            n = len(block)
+            for k in keys:
+                block[partition, k] = n
+
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            block = self.__dict__.get("_block", {})
+            grouped = sorted(range(len(keys)), key=lambda i: block.get((partition, keys[i]), 0))
+            return {n: _rows_in(c, grouped) for n, c in cols.items()}, tags
+
+    return _with(T)()
+
+
+@mutant("put_sorts_caller_keys", "put sorted the caller's key list in place (to keep its "
+        "index sorted)", "transport")
+def _sorts_keys():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns, tags)
+            if isinstance(keys, list):
+                keys.sort()
+
+    return _with(T)()
+
+
+@mutant("get_sorts_select_fields", "get sorted the caller's select_fields in place (a canonical "
+        "field order for its cache key)", "transport")
+def _sorts_fields():
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            if isinstance(select_fields, list):
+                select_fields.sort()
+            return super().get(partition, keys, select_fields)
+
+    return _with(T)()
+
+
+@mutant("put_stamps_caller_tags", "put wrote its layout record into the caller's tag dicts "
+        "(and stripped it again on get)", "transport")
+def _stamps_tags():
+    LAYOUT = "__layout__"
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            if tags is not None:
+                for t in tags:
+                    t[LAYOUT] = sorted(columns)
+            super().put(partition, keys, columns, tags)
+
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            for t in tags:
+                t.pop(LAYOUT, None)
+            return cols, tags
+
+    return _with(T)()
+
+
+def _served_with_client(client_cls):
+    """The reference's served store with another client class for the reopened side."""
+    from rlconform.conformance.backend import CAPABILITIES
+    from rlconform.reference_impl.served import ServedDataPlane
+
+    def factory(address=None):
+        return ServedDataPlane() if address is None else client_cls(address)
+
+    return build(transport=factory, capabilities=frozenset(CAPABILITIES) - {"cuda"})
+
+
+@mutant("peer_tags_via_json", "the client of a reopened store sent and received tags as JSON: "
+        "another process's tuples come back as lists and int keys as str", "transport")
+def _peer_json():
+    import json
+
+    from rlconform.reference_impl.served import StoreClient
+
+    class C(StoreClient):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns,
+                        None if tags is None else json.loads(json.dumps(list(tags))))
+
+        def get(self, partition, keys, select_fields=None):
+            cols, tags = super().get(partition, keys, select_fields)
+            return cols, json.loads(json.dumps(tags))
+
+    return _served_with_client(C)
+
+
+@mutant("address_opens_fresh_store", "reopening by address opened a new, empty store in the "
+        "other process instead of the one at the address", "transport")
+def _fresh_store():
+    from rlconform.reference_impl.served import ServedDataPlane
+
+    return _served_with_client(lambda address: ServedDataPlane())
+
+
+@mutant("clear_keeps_tags", "clear of a partition dropped its rows and layouts but kept its "
+        "tags: the next put of the same keys merges the stale tags", "transport")
+def _clear_tags():
+    class T(InMemoryDataPlane):
+        def clear(self, partition, keys=None):
+            if keys is not None:
+                return super().clear(partition, keys)
+            kept = self._tags.get(partition)
+            super().clear(partition)
+            if kept is not None:
+                self._tags[partition] = kept
+
+    return _with(T)()
+
+
+@mutant("clear_keeps_layouts", "clear of a partition dropped its rows and tags but kept the "
+        "recorded layouts: the next put in another layout is refused", "transport")
+def _clear_layouts():
+    class T(InMemoryDataPlane):
+        def clear(self, partition, keys=None):
+            if keys is not None:
+                return super().clear(partition, keys)
+            kept = self._layouts.get(partition)
+            super().clear(partition)
+            if kept is not None:
+                self._layouts[partition] = kept
+
+    return _with(T)()
+
+
+@mutant("tags_shallow_copied_on_put", "put kept a shallow copy of each tag (dict(t)): the "
+        "caller's nested shape lists are the store's", "transport")
+def _tags_shallow():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            keys = list(keys)
+            super().put(partition, keys, columns, None if tags is None else [{} for _ in keys])
+            if tags is not None and keys:
+                for k, t in zip(keys, tags):
+                    self._tags[partition][k].update(dict(t))
+
+    return _with(T)()
+
+
+@mutant("tags_shared_on_get", "get returned the stored tag dicts themselves: a caller that "
+        "edits a fetched tag edits the store", "transport")
+def _tags_shared():
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            cols, _ = super().get(partition, keys, select_fields)
+            return cols, [self._tags[partition][k] for k in keys]
 
     return _with(T)()
