@@ -167,25 +167,40 @@ def _wire_tensors(name: str, obj):
         yield from _wire_tensors(name, obj.tolist())
 
 
-def _assert_wire_dtypes(wire, family: str, policy: torch.dtype, source: torch.dtype) -> None:
+def _media_dtypes(batch) -> dict[str, torch.dtype]:
+    """The dtype each medium was encoded from: packed fields, and per-row dict keys."""
+    out = {n: v.dtype for n, v in batch.fields.items()
+           if isinstance(v, PackedTensor) and v.dtype is not None}
+    for v in batch.fields.values():
+        for row in getattr(v, "rows", ()) if not isinstance(v, PackedTensor) else ():
+            for key, x in (row or {}).items():
+                out.setdefault(key, (x[0] if isinstance(x, list) else x).dtype)
+    return out
+
+
+def _assert_wire_dtypes(wire, batch, policy: torch.dtype) -> None:
     """The encoded columns themselves follow the policy: a floating POLICY medium is `policy`
-    on the wire (half the bytes of fp32), and media the family keeps in their dtype stay
-    `source` there, whatever decode returns afterwards."""
-    fam = FAMILIES[family]
+    on the wire (half the bytes of fp32), and every other medium (integer geometry, media a
+    family keeps in their dtype) keeps the dtype it was encoded from, whatever decode returns
+    afterwards."""
+    fam = FAMILIES[batch.family]
+    put = _media_dtypes(batch)
     seen = 0
     for column, value in wire.columns.items():
         head = column.rsplit(".", 1)[-1]
         for name, t in _wire_tensors(head if head in FIELDS else column, value):
             fs = FIELDS.get(name)
-            if fs is None or fs.kind.value != "packed" or not t.is_floating_point() or \
-                    fs.dtype_policy.value != "policy":
+            if fs is None or fs.kind.value != "packed" or name not in put:
                 continue
+            cast = fs.dtype_policy.value == "policy" and name not in fam.keep_dtype and \
+                put[name].is_floating_point
             seen += 1
-            want = source if name in fam.keep_dtype else policy
+            want = policy if cast else put[name]
+            why = "the policy dtype" if cast else "never cast"
             assert t.dtype == want, (f"wire column {column!r} holds {name!r} as {t.dtype}: on "
-                                     f"the wire it is {want} ({t.element_size()} bytes a value "
-                                     f"instead of {want.itemsize})")
-    assert seen, f"no pixel medium found in the wire columns {sorted(wire.columns)}"
+                                     f"the wire it is {want} ({why}; {t.element_size()} bytes "
+                                     f"a value instead of {want.itemsize})")
+    assert seen, f"no medium found in the wire columns {sorted(wire.columns)}"
 
 
 @pytest.mark.clause("WIRE-DTYPE")
@@ -194,7 +209,7 @@ def test_dtype_policy(codec_factory, family):
     codec = codec_factory(pixel_dtype=torch.bfloat16)
     batch = build_batch(family, default_plan(family), media_dtype=torch.float32)
     wire = codec.encode(batch)
-    _assert_wire_dtypes(wire, family, torch.bfloat16, torch.float32)
+    _assert_wire_dtypes(wire, batch, torch.bfloat16)
     out = codec.decode(wire)
     fam = FAMILIES[family]
     floating = [n for n in fam.packed_fields() if n in batch and batch[n].dtype is not None
@@ -334,7 +349,7 @@ def test_dtype_policy_reaches_dict_media(codec_factory, family):
     codec = codec_factory(pixel_dtype=torch.bfloat16)
     batch = build_batch(family, default_plan(family), media_form="multi_modal_inputs")
     wire = codec.encode(batch)
-    _assert_wire_dtypes(wire, family, torch.bfloat16, torch.float32)
+    _assert_wire_dtypes(wire, batch, torch.bfloat16)
     out = codec.decode(wire)["multi_modal_inputs"]
     fam = FAMILIES[family]
     for i, row in enumerate(batch["multi_modal_inputs"]):
