@@ -419,7 +419,7 @@ _DATA_PLANE_CLAUSES = [
         "frameworks' own batch algebra (verl DataProto chunk/concat/select_idxs, OpenRLHF "
         "Experience split/concat, NeMo-RL BatchedDataDict slicing): flat media re-cut by row "
         "count or renumbered on concat reach the wrong sample",
-        ("concat_renumbers_media", "concat_densifies_media", "split_pixels_by_row_count",
+        ("concat_renumbers_media", "split_pixels_by_row_count",
          "select_shares_dict_rows", "concat_object_none_as_empty"),
         capabilities=("batch_algebra",),
     ),

@@ -248,24 +248,6 @@ def _concat_renumber():
     return _with(Ops)()
 
 
-@mutant("concat_densifies_media", "concat merged each row's images into one segment: the "
-        "per-image boundaries of a several-image row are gone", "batch_ops")
-def _concat_dense():
-    class Ops(BatchOps):
-        def concat(self, batches):
-            def dense(name, v):
-                rows = []
-                for i in range(len(v)):
-                    segs = v.row_segments(i)
-                    same = segs and len({tuple(s.shape[1:]) for s in segs}) == 1
-                    rows.append(None if segs is None else [torch.cat(segs)] if same else segs)
-                return PackedTensor.from_rows(rows, v.pack_dim)
-
-            return _packed_map(Batch.concat(batches), dense)
-
-    return _with(Ops)()
-
-
 @mutant("split_pixels_by_row_count", "split cut the flat pixel_values into chunks by row count "
         "instead of by each row's grid: right only when every row has the same patches",
         "batch_ops")
