@@ -412,7 +412,8 @@ _DATA_PLANE_CLAUSES = [
     Clause(
         "BATCH-ALGEBRA",
         "select, concat and split MUST keep every field of every row exactly (packed media "
-        "with their segments, per-row dicts with {} vs None, multi-dim per-token fields, "
+        "as each row's share of the model input, per-row dicts with {} vs None, multi-dim "
+        "per-token fields, "
         "media-free and uneven chunks, chunks of differing widths) and MUST NOT share a row's "
         "dict with the source.",
         "batch_ops",
