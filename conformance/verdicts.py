@@ -144,7 +144,7 @@ def unimplemented(exc: BaseException) -> BaseException | None:
 
 # -- waivers per test ---------------------------------------------------------------------------
 @dataclass
-class TestWaivers:
+class CoveringWaivers:
     """The active waivers covering one test, and what they matched while it ran."""
 
     waivers: list[Waiver]
@@ -152,20 +152,39 @@ class TestWaivers:
     first_message: dict[int, str] = field(default_factory=dict)
     kinds: set[str] = field(default_factory=set)
 
-    def find(self, exc: BaseException) -> Waiver | None:
+    def find(self, exc: BaseException) -> list[tuple[Waiver, BaseException]] | None:
+        """The covering waiver of every failure in `exc` (each member of an exception group:
+        hypothesis found several distinct failures), or None when any one is not waived."""
         if unimplemented(exc) is not None:
             return None  # never waivable: the run reports it as an error
-        text = failure_text(exc)
-        return next((w for w in self.waivers if w.matches(text)), None)
+        found = []
+        for leaf in _leaves(exc):
+            text = failure_text(leaf)
+            w = next((w for w in self.waivers if w.matches(text)), None)
+            if w is None:
+                return None
+            found.append((w, leaf))
+        return found
 
-    def record(self, w: Waiver, exc: BaseException) -> None:
-        self.matched[w.index] = self.matched.get(w.index, 0) + 1
-        self.first_message.setdefault(w.index, failure_text(exc)[:500])
-        self.kinds.add(failure_kind(exc))
+    def record(self, found: list[tuple[Waiver, BaseException]]) -> None:
+        for w, exc in found:
+            self.matched[w.index] = self.matched.get(w.index, 0) + 1
+            self.first_message.setdefault(w.index, failure_text(exc)[:500])
+            self.kinds.add(failure_kind(exc))
+
+    @staticmethod
+    def label(found: list[tuple[Waiver, BaseException]]) -> str:
+        return ", ".join(dict.fromkeys(w.label for w, _ in found))
 
 
-_STASH = pytest.StashKey[TestWaivers]()
-_CURRENT: contextvars.ContextVar[TestWaivers | None] = contextvars.ContextVar(
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
+_STASH = pytest.StashKey[CoveringWaivers]()
+_CURRENT: contextvars.ContextVar[CoveringWaivers | None] = contextvars.ContextVar(
     "rlconform_test_waivers", default=None)
 
 # What a waived example may raise: any failure, never pytest's or hypothesis' control flow
@@ -187,7 +206,7 @@ def scope_item(item, waivers: list[Waiver], clause_ids: list[str]) -> list[Waive
     item.user_properties.append((PARAMS_PROP, params))
     covering = [w for w in waivers if not w.expired and w.covers(clause_ids, item.name, params)]
     if covering:
-        item.stash[_STASH] = TestWaivers(covering)
+        item.stash[_STASH] = CoveringWaivers(covering)
         _wrap_property_test(getattr(item, "obj", None))
     return covering
 
@@ -212,10 +231,10 @@ def _wrap_property_test(fn) -> None:
         except BaseException as exc:
             if not _is_failure(exc):
                 raise
-            w = ctx.find(exc)
-            if w is None:
+            found = ctx.find(exc)
+            if found is None:
                 raise
-            ctx.record(w, exc)
+            ctx.record(found)
             return None
 
     waivable._rlconform_waivable = True
@@ -240,18 +259,18 @@ def verdict(item, call, rep) -> dict | None:
     kind: how the unwaived failure was raised (assertion / exception); waivers: what each
     covering waiver matched. A waived failure shows as xfailed in pytest's terminal, a covered
     test that passed although a waiver names it as XPASS."""
-    ctx: TestWaivers | None = item.stash.get(_STASH, None)
+    ctx: CoveringWaivers | None = item.stash.get(_STASH, None)
     exc = call.excinfo.value if call.excinfo is not None else None
     out: dict = {}
     if exc is not None and _is_failure(exc):
         missing = unimplemented(exc)
         if missing is not None:
             out["unimplemented"] = f"{type(missing).__name__}: {missing} ({raised_where(missing)})"
-        w = ctx.find(exc) if ctx is not None else None
-        if w is not None:
-            ctx.record(w, exc)
+        found = ctx.find(exc) if ctx is not None else None
+        if found is not None:
+            ctx.record(found)
             rep.outcome = "skipped"
-            rep.wasxfail = f"waived by {w.label}: {w.reason[:200]}"
+            rep.wasxfail = f"waived by {ctx.label(found)}: {found[0][0].reason[:200]}"
         else:
             out["kind"] = failure_kind(exc)
             out["failure"] = failure_text(exc)[:2000]

@@ -472,3 +472,25 @@ def test_a_not_implemented_answer_of_the_system_is_a_result_not_a_stub(tmp_path)
     assert not [p for p in report["problems"] if "NotImplementedError" in p], report["problems"]
     failed = [t for c in report["clauses"] for t in c["tests"] if t["outcome"] == "failed"]
     assert failed and any("truncation of packed media" in t["message"] for t in failed)
+
+
+def test_a_failure_group_is_waived_only_when_every_member_is():
+    """hypothesis reports several distinct failures as one exception group: a waiver that
+    matches one member must not waive the others."""
+    import datetime as dt
+
+    from rlconform.conformance.verdicts import CoveringWaivers
+    from rlconform.conformance.waivers import Waiver
+
+    if sys.version_info >= (3, 11):
+        from builtins import ExceptionGroup
+    else:  # pragma: no cover - hypothesis brings the backport
+        from exceptiongroup import ExceptionGroup
+
+    w = Waiver("DP-TAGS", "backend-bug", "r", dt.date(2099, 1, 1), match="defect A", index=1)
+    ctx = CoveringWaivers([w])
+    group = ExceptionGroup("two", [RuntimeError("defect A"), AssertionError("defect B")])
+    assert ctx.find(group) is None
+    both = ExceptionGroup("two", [RuntimeError("defect A"), ValueError("defect A again")])
+    found = ctx.find(both)
+    assert found is not None and [x.index for x, _ in found] == [1, 1]

@@ -81,7 +81,10 @@ def test_truncate(batch_ops, batch, raw):
             f"per-token {name!r} {list(want.shape)} not truncated to {cut}: {list(got.shape)}"
         assert_bit_equal(_seq(name, want, 0, min(cut, s)), got,
                          f"per-token {name!r} {list(want.shape)} truncated wrongly")
-    assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
+    want_lens = batch.seq_lens.clamp(max=cut).tolist()
+    assert out.seq_lens.tolist() == want_lens, \
+        f"truncate to {cut}: row lengths (input_lengths) {out.seq_lens.tolist()}, expected " \
+        f"{want_lens}"
 
 
 @pytest.mark.clause("BATCH-TRUNCATE")
@@ -349,7 +352,10 @@ def test_truncate_below_the_longest_row(batch_ops, family):
     for name in batch.names(Kind.PER_TOKEN):
         assert_bit_equal(_seq(name, batch[name], 0, cut), out[name],
                          f"per-token {name!r} truncated to {cut}")
-    assert out.seq_lens.tolist() == batch.seq_lens.clamp(max=cut).tolist()
+    want_lens = batch.seq_lens.clamp(max=cut).tolist()
+    assert out.seq_lens.tolist() == want_lens, \
+        f"truncate to {cut}: row lengths (input_lengths) {out.seq_lens.tolist()}, expected " \
+        f"{want_lens}"
 
 
 @pytest.mark.clause("BATCH-PAD")
