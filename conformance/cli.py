@@ -75,7 +75,7 @@ def _cmd_mutants(a, extra) -> int:
           flush=True)
     surfaces = [x for x in (a.mutant_surfaces or "").split(",") if x]
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
-                    on_result=progress, surfaces=surfaces or None)
+                    on_result=progress, surfaces=surfaces or None, every_test=a.every_test)
     errors = m["errors"]
     survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
     if errors:
@@ -88,7 +88,7 @@ def _cmd_mutants(a, extra) -> int:
     if m.get("killed_only_by_exceptions"):
         print("claims met only by exceptions other than a clause assertion (not kills): "
               + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["killed_only_by_exceptions"]))
-    if a.full:
+    if a.full or a.every_test:
         print(f"clause tests failed by at least one mutant: "
               f"{len(m['tests']) - len(m['tests_without_kill'])} of {len(m['tests'])}")
         if m["tests_without_kill"]:
@@ -105,7 +105,8 @@ def _cmd_mutants(a, extra) -> int:
           + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
     failed = (errors or survived or m["claims_not_killed"]
               or (m["clauses_without_kill"] and not a.only)
-              or (a.full and m["tests_without_kill"] and not a.only and "-k" not in extra))
+              or ((a.full or a.every_test) and m["tests_without_kill"] and not a.only
+                  and "-k" not in extra))
     return 1 if failed else 0
 
 
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--report-dir", default="reports/out")
     m.add_argument("--jobs", type=int, default=None)
     m.add_argument("--only", nargs="*", default=[])
+    m.add_argument("--every-test", action="store_true",
+                   help="every test of each mutant's claimed clauses (no stop at the first "
+                        "kill), reporting per clause test the mutants that fail it")
     m.add_argument("--mutant-surfaces", default="", metavar="SURFACE[,SURFACE]",
                    help="only the mutants of these surfaces (the nightly GPU regime: "
                         "trainer,rollout)")

@@ -419,7 +419,8 @@ def mutant_args_problem(extra: list[str]) -> str | None:
 
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
-                full: bool = False, on_result=None, surfaces: list[str] | None = None) -> dict:
+                full: bool = False, on_result=None, surfaces: list[str] | None = None,
+                every_test: bool = False) -> dict:
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
@@ -427,7 +428,9 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     exceptions is not killed.
 
     `on_result(row, done, total, elapsed_s)` is called as each mutant finishes. `surfaces`
-    keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout)."""
+    keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout).
+    `every_test` (implied by `full`): no clause stops at its first kill, and the matrix lists,
+    per clause test function, the mutants that fail it."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -458,7 +461,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     # catalogue
     workers = [_Worker(report_dir, extra, env) for _ in range(jobs)]
     try:
-        return _drive(workers, report_dir, extra, env, only, full, on_result, t0)
+        return _drive(workers, report_dir, extra, env, only, full, on_result, t0,
+                      every_test or full)
     finally:
         for w in workers:
             if w.proc.poll() is None:
@@ -466,7 +470,7 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
 
 
 def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
-           on_result, t0: float) -> dict:
+           on_result, t0: float, every_test: bool = False) -> dict:
     import selectors
 
     from rlconform.conformance import catalogue
@@ -511,7 +515,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     def feed(w: _Worker) -> None:
         if queue:
             n = queue.pop(0)
-            w.send(n, None if full else expected[n], every_test=full)
+            w.send(n, None if full else expected[n], every_test=every_test)
         else:
             w.job = None
             sel.unregister(w.results)
@@ -546,7 +550,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         "regime": _regime(extra),
         "mutants": ordered,
         "selection": "all clauses, every test" if full else
-        "claims: the clauses that name the mutant",
+        "claims, every test" if every_test else "claims: the clauses that name the mutant",
         "clauses_without_kill": [c.id for c in catalogue.CLAUSES if c.id not in killers],
         # a mutant whose run gave no verdict is an error of the matrix run, not a survivor,
         # and its claims are not judged
@@ -560,7 +564,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
                                       if c in r["expected"]],
         "duration_s": round(time.time() - t0, 2),
     }
-    if full:
+    if every_test:
         matrix["tests"] = test_kills(ordered)
         matrix["tests_without_kill"] = [t for t, ms in matrix["tests"].items() if not ms]
     out = report_dir / "mutants"
