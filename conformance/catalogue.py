@@ -121,7 +121,8 @@ _DATA_PLANE_CLAUSES = [
         "rollout uids, prompt ids and user-chosen partition names reach the store unchecked; a "
         "store that trims, truncates or normalises names returns another key's row, and one "
         "that accepts the empty string or NUL loses it in a C string API",
-        ("names_trimmed", "long_names_truncated", "refused_names_accepted"),
+        ("names_trimmed", "long_names_truncated", "refused_names_accepted",
+         "bookkeeping_names_reserved"),
     ),
     Clause(
         "DP-NAME-ISOLATION",
@@ -213,7 +214,7 @@ _DATA_PLANE_CLAUSES = [
         "persistent stores outlive the run: five runs of the suite left 5,683 keys (52 MB) in "
         "a Redis server; a clear that drops rows but keeps tags or layouts merges stale tags "
         "into the next step's rows",
-        ("clear_keeps_tags", "clear_keeps_layouts"),
+        ("clear_keeps_tags", "clear_keeps_layouts", "clear_of_path_like_partition_missed"),
     ),
     # -- codec ----------------------------------------------------------------------------
     Clause(
@@ -529,7 +530,7 @@ _REGIME_CLAUSES = [
         "a wire schema inferred from the first row drops the keys a later row brings, and an "
         "assignment inferred from a count gives rows each other's images; uniform rows pass "
         "both",
-        ("codec_object_keys_of_first_dict_row",),
+        ("codec_object_keys_of_first_dict_row", "codec_media_assigned_by_count"),
     ),
     Clause(
         "BATCH-HETERO-ROWS",

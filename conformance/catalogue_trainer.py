@@ -476,7 +476,7 @@ TRAINER_CLAUSES += [
         "they were put; a trainer that pairs what it fetched with the meta's keys by position, "
         "where the store answered in its own order, writes one row's logprobs under another's "
         "key, and every clause that passes metas in put order passes",
-        ("trainer_fetches_in_put_order",),
+        ("trainer_fetches_in_put_order", "advantages_fetched_in_put_order"),
         regime="bitwise per row with one row per micro-batch (micro_batch_size 1): every row's "
         "forward sees the same inputs and padding in every order (BACKGROUND.md s7).",
     ),

@@ -404,3 +404,20 @@ def _first_row_schema():
             return super().encode(Batch(fields, batch.family, dict(batch.extra)))
 
     return _with(C)()
+
+
+@mutant("codec_media_assigned_by_count", "the decoder inferred which row owns which image from "
+        "the counts: with as many images as rows it gave each row one image in order, so rows "
+        "holding 2, 0, 1 images came back holding 1, 1, 1 (each other's images)", "codec")
+def _assigned_by_count():
+    class C(ReferenceCodec):
+        def decode(self, wire):
+            out = super().decode(wire)
+            for name, v in list(out.fields.items()):
+                if isinstance(v, PackedTensor) and len(v.segments) == len(v.rows) \
+                        and not v.is_deduplicated():
+                    out.fields[name] = PackedTensor(v.segments, [(i,) for i in range(len(v))],
+                                                    v.pack_dim)
+            return out
+
+    return _with(C)()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.codec import WireBatch
+from rlconform.reference_impl.registry import Stage
 from rlconform.reference_impl.trainer import OUTPUT_FIELD, DataPlaneTrainer
 
 
@@ -42,5 +43,22 @@ def _consumes_fields():
                     if name in m.fields:
                         m.fields.remove(name)
             return result
+
+    return _backend(T)
+
+
+@mutant("advantages_fetched_in_put_order", "the train pass fetched the advantages column on its "
+        "own, in the store's key order, and paired it with the meta's rows by position: a meta "
+        "in another order trains each row on another row's advantage", "trainer")
+def _advantages_in_put_order():
+    class T(DataPlaneTrainer):
+        def fetch(self, meta, stage):
+            batch = super().fetch(meta, stage)
+            if stage is not Stage.TRAIN or "advantages" not in batch.fields:
+                return batch
+            wanted = set(meta.keys)
+            order = [k for k in self.transport.list(meta.partition) if k in wanted]
+            cols, tags = self.transport.get(meta.partition, order, select_fields=["advantages"])
+            return batch.replace(advantages=cols["advantages"])
 
     return _backend(T)

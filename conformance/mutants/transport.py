@@ -882,3 +882,33 @@ def _tags_shared():
             return cols, [self._tags[partition][k] for k in keys]
 
     return _with(T)()
+
+
+# -- names the store keeps for itself; clear of path-like names (DP-NAMES, DP-CLEAN-SLATE) -------
+_OWN_NAMES = ("__keys__", "__tags__", "__layout__")
+
+
+@mutant("bookkeeping_names_reserved", "the store kept its own index under names like "
+        "'__keys__' in the partitions' namespace and refused them as partition names ('reserved "
+        "name'): a caller's partition with such a name cannot be written", "transport")
+def _own_names():
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            if partition in _OWN_NAMES:
+                raise ValueError(f"partition name {partition!r} is reserved by the store")
+            return super().put(partition, keys, columns, tags)
+
+    return _with(T)()
+
+
+@mutant("clear_of_path_like_partition_missed", "clear of a whole partition deleted it by a "
+        "path (a filesystem-style store): a name with '/' in it named another path and nothing "
+        "was removed, so the suite's clean-up left those partitions behind", "transport")
+def _path_clear():
+    class T(InMemoryDataPlane):
+        def clear(self, partition, keys=None):
+            if keys is None and isinstance(partition, str) and "/" in partition:
+                return None
+            return super().clear(partition, keys)
+
+    return _with(T)()
