@@ -130,6 +130,8 @@ class DiffResult:
     newly_failing: list[ClauseChange] = field(default_factory=list)
     newly_passing: list[ClauseChange] = field(default_factory=list)
     newly_waived: list[ClauseChange] = field(default_factory=list)
+    # waived -> passed_with_waivers: some of its tests pass now (a fix the waiver no longer hides)
+    less_waived: list[ClauseChange] = field(default_factory=list)
     waivers_expired: list[ClauseChange] = field(default_factory=list)
     clauses_added: list[ClauseChange] = field(default_factory=list)
     clauses_removed: list[ClauseChange] = field(default_factory=list)
@@ -161,6 +163,7 @@ class DiffResult:
                 self.newly_failing,
                 self.newly_passing,
                 self.newly_waived,
+                self.less_waived,
                 self.waivers_expired,
                 self.clauses_added,
                 self.clauses_removed,
@@ -228,6 +231,8 @@ def diff_reports(
             result.newly_failing.append(change)
         elif c["status"] == "passed" and o["status"] != "passed":
             result.newly_passing.append(change)
+        elif o["status"] == "waived" and c["status"] == "passed_with_waivers":
+            result.less_waived.append(change)
         elif c["status"] in ("waived", "passed_with_waivers") and o["status"] != c["status"]:
             result.newly_waived.append(change)
         elif c["status"] != o["status"]:
@@ -362,6 +367,7 @@ def render_diff(result: DiffResult) -> str:
             )
     clause_block("newly passing", result.newly_passing)
     clause_block("newly waived", result.newly_waived)
+    clause_block("passing some tests now (were waived)", result.less_waived)
     clause_block("coverage gained (newly tested)", result.coverage_gained)
     clause_block("other status changes", result.other_status_changes)
     clause_block("clauses added", result.clauses_added)

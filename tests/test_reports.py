@@ -578,6 +578,7 @@ def test_diff_clause_categories(edit, field, expect, section):
             "newly_failing",
             "newly_passing",
             "newly_waived",
+            "less_waived",
             "clauses_added",
             "clauses_removed",
             "other_status_changes",
@@ -604,6 +605,20 @@ def test_diff_newly_passing_and_added():
     assert [t.kind for t in result.test_changes] == ["fixed"]
     text = render_diff(result)
     assert "newly passing (1)" in text and "clauses added (1)" in text and "tests fixed" in text
+
+
+def test_diff_tells_a_waiver_that_hides_less_from_a_new_waiver():
+    """waived -> passed with waivers is a partial fix (a framework's PR), not "newly waived"."""
+    old = waive(green(), "DP-MEDIA-DEDUP", all_tests=True)
+    new = waive(green(), "DP-MEDIA-DEDUP")
+    assert clause(new, "DP-MEDIA-DEDUP")["status"] == "passed_with_waivers"
+    result = diff_reports(old, new)
+    assert [(c.id, c.old, c.new) for c in result.less_waived] == [
+        ("DP-MEDIA-DEDUP", "waived", "passed_with_waivers")]
+    assert not result.newly_waived and not result.regressed
+    assert "passing some tests now (were waived) (1)" in render_diff(result)
+    back = diff_reports(new, old)  # the other way round: newly waived, not a fix
+    assert [c.id for c in back.newly_waived] == ["DP-MEDIA-DEDUP"] and not back.less_waived
 
 
 def test_diff_coverage_gained_is_not_a_fix():
