@@ -247,7 +247,7 @@ def mutant_effect_caption(effects: Mapping[str, Any]) -> str:
 
 
 def scope_text(waiver: Mapping[str, Any]) -> str:
-    """A waiver's scope in one line: `tests test_a, test_b; family llava; match 'regex'`."""
+    """A waiver's scope in one line: `tests test_a, test_b; family llava; match /regex/`."""
     scope = waiver.get("scope") or {}
     parts = []
     if scope.get("tests"):
@@ -255,7 +255,7 @@ def scope_text(waiver: Mapping[str, Any]) -> str:
     for key, values in (scope.get("params") or {}).items():
         parts.append(f"{key} " + ", ".join(values))
     if scope.get("match"):
-        parts.append(f"match {scope['match']!r}")
+        parts.append(f"match /{scope['match']}/")  # the pattern as written, not repr()'d
     return "; ".join(parts) or "whole clause"
 
 
