@@ -61,7 +61,12 @@ class TrainerSettings:
 @dataclass
 class StepResult:
     """`metrics`: per-token values over the loss tokens of the step (1-D, float32), in the
-    order rank -> micro-batch -> row -> token. When the batch takes several optimizer steps
+    order rank -> micro-batch -> row -> token. The clauses read `probs_ratio`,
+    `probs_ratio_clamped`, `clipped`, `loss_per_token` (each token's term of the loss before
+    aggregation), `reference_kl` (with a reference), `entropy` (with an entropy bonus) and, when
+    the batch holds generation logprobs, `token_mult_prob_error` and the other generation
+    metrics (`loss.generation_metrics`); a clause that needs one the trainer does not report
+    fails naming it. When the batch takes several optimizer steps
     (`LossConfig.mini_batches` / `epochs`), `loss`, `metrics` and `grad_norm` are those of the
     first, and `extra["optimizer_steps"]` holds one StepResult per optimizer step, in order."""
 

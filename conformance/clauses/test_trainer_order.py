@@ -122,6 +122,10 @@ def _multiset(values: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32).sort().values
 
 
+# per-token metrics of a train pass that depend on each row's own inputs (StepResult's contract)
+ORDER_METRICS = ("loss_per_token", "token_mult_prob_error")
+
+
 @pytest.mark.clause("TRAIN-ORDER-FREE")
 @pytest.mark.parametrize("family", FAMILIES[:2])
 def test_train_pass_gives_each_row_the_same_loss_in_any_order(
@@ -140,8 +144,11 @@ def test_train_pass_gives_each_row_the_same_loss_in_any_order(
             result = trainer.train(ready)
         finally:
             transport.clear(meta.partition, keys)
-        per_order[what] = {name: result.metrics[name]
-                           for name in ("loss_per_token", "token_mult_prob_error")}
+        missing = [n for n in ORDER_METRICS if n not in result.metrics]
+        assert not missing, (f"{family}: the train pass reports no per-token {missing} "
+                             f"(StepResult.metrics holds {sorted(result.metrics)}); the clause "
+                             "compares them across key orders")
+        per_order[what] = {name: result.metrics[name] for name in ORDER_METRICS}
     want = per_order.pop("put order")
     assert bool(want["loss_per_token"].ne(0).any()), \
         "the put-order train pass gave a zero loss on every token"
