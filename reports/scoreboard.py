@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ class Entry:
     path: Path
     report: dict[str, Any]
     md_report: Path | None = None  # the Markdown report beside the JSON, when there is one
+    label: str = ""  # the column's name: the backend, or its report's stem where it has several
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.backend
 
     @property
     def backend(self) -> str:
@@ -142,6 +147,12 @@ def build(entries: Sequence[Entry]) -> Scoreboard:
             seen.setdefault(c["id"], c)
     ids = [c.id for c in CLAUSES if c.id in seen]
     ids += sorted(set(seen) - set(ids))
+    runs = Counter(e.backend for e in entries)
+    for e in entries:  # two versions of one backend (a framework before and after a fix)
+        if runs[e.backend] > 1 and e.path.stem not in (e.backend, "report"):
+            e.label = e.path.stem
+        elif runs[e.backend] > 1:
+            e.label = f"{e.backend} {e.version}"
     titles = {c.id: c.must for c in CLAUSES}
     surfaces = {c.id: c.surface for c in CLAUSES}
     for cid, c in seen.items():
@@ -261,7 +272,7 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
         ref = f"[{link.name}]({_rel(link, out)})" if out is not None else link.name
         stale = " **stale: made under another clause catalogue; regenerate**" \
             if e.stale(board.catalogue) else ""
-        lines.append(f"| `{e.backend}` | {_md_escape(e.version) or '—'} | "
+        lines.append(f"| `{e.label}` | {_md_escape(e.version) or '—'} | "
                      f"{_md_escape(provenance_line(e.report))}{stale} | "
                      + " | ".join(score_cells(e)) + f" | {ref} |")
     families = board.families()
@@ -269,12 +280,12 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
         lines += ["", "Per model family: clauses whose tests on the family all pass without a "
                   "waiver / clauses tested on it (w: waived tests, F: failed, X: unexpected "
                   "passes).", "",
-                  "| family | " + " | ".join(f"`{e.backend}`" for e in board.entries) + " |",
+                  "| family | " + " | ".join(f"`{e.label}`" for e in board.entries) + " |",
                   "|---|" + "---|" * len(board.entries)]
         for f in families:
             lines.append(f"| {f} | " + " | ".join(family_summary(e, f) or "-"
                                                   for e in board.entries) + " |")
-    lines += ["", "| clause | surface | " + " | ".join(f"`{e.backend}`" for e in board.entries)
+    lines += ["", "| clause | surface | " + " | ".join(f"`{e.label}`" for e in board.entries)
               + " |", "|---|---|" + "---|" * len(board.entries)]
     notes: list[str] = []
     index: dict[str, int] = {}
@@ -284,9 +295,9 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
             status, label, note = cell(e, cid)
             text = label
             if note and status != ABSENT:
-                key = f"{e.backend}|{note}"
+                key = f"{e.label}|{note}"
                 if key not in index:
-                    notes.append(f"[^{len(notes) + 1}]: `{e.backend}` {cid}: {_md_escape(note)}")
+                    notes.append(f"[^{len(notes) + 1}]: `{e.label}` {cid}: {_md_escape(note)}")
                     index[key] = len(notes)
                 text += f" [^{index[key]}]"
             row.append(text)
@@ -338,7 +349,7 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
         stale = "<br><span class='stale'>stale: another clause catalogue</span>" \
             if e.stale(board.catalogue) else ""
         parts.append(
-            f"<th><code>{e_(e.backend)}</code><br>{e_(e.version) or '—'}<br>"
+            f"<th><code>{e_(e.label)}</code><br>{e_(e.version) or '—'}<br>"
             f"<small>{e_(provenance_line(e.report))}</small>{stale}<br>"
             f"score <b>{e_(sc[0])}</b><br><small>with waivers {e_(sc[1])}, waived {e_(sc[2])}"
             f", failing {e_(sc[3])}, not tested {e_(sc[4])}</small><br>"
@@ -359,7 +370,7 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
         parts.append("<h2>Per model family</h2><p><small>Clauses whose tests on the family all "
                      "pass without a waiver / clauses tested on it (w: waived tests, F: failed, "
                      "X: unexpected passes).</small></p><table><thead><tr><th>family</th>")
-        parts += [f"<th><code>{e_(e.backend)}</code></th>" for e in board.entries]
+        parts += [f"<th><code>{e_(e.label)}</code></th>" for e in board.entries]
         parts.append("</tr></thead><tbody>")
         for f in families:
             parts.append(f"<tr><td>{e_(f)}</td>" + "".join(

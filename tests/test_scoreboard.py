@@ -149,6 +149,22 @@ def test_any_number_of_reports(tmp_path):
     assert len(row(sb.render_markdown(board), "DP-ROUNDTRIP")) == 2 + 8
 
 
+def test_two_versions_of_one_backend_get_columns_named_apart(tmp_path):
+    """A framework before and after a fix: each column is named by its report's file, or by
+    the version where the file is a plain report.json."""
+    write(tmp_path, "fw-abc1234.json", report("fw", "Fw 1.0 at commit abc1234"))
+    write(tmp_path, "fw-pr99-def5678.json", report("fw", "Fw 1.0 at commit def5678"))
+    write(tmp_path / "run", "report.json", report("fw", "Fw 0.9"))
+    write(tmp_path / "other", "report.json", report("solo"))
+    board = sb.build(sb.load_entries([tmp_path, tmp_path / "run", tmp_path / "other"]))
+    labels = {e.label for e in board.entries}
+    assert labels == {"fw-abc1234", "fw-pr99-def5678", "fw Fw 0.9", "solo"}, labels
+    md = sb.render_markdown(board)
+    header = next(x for x in md.splitlines() if x.startswith("| clause | surface |"))
+    assert all(f"`{label}`" in header for label in labels), header
+    assert all(f"<code>{label}</code>" in sb.render_html(board) for label in labels)
+
+
 def test_html_escapes_report_text():
     r = report("alpha", XSS, DP_ROUNDTRIP=("failed", XSS, None))
     page = sb.render_html(sb.build([sb.Entry(Path("r.json"), r)]))
