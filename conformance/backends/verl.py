@@ -35,7 +35,7 @@ from rlconform.conformance.backend import Backend, package_version
 
 MEDIA = "multi_modal_inputs"  # verl's non_tensor_batch key for per-sample media dicts
 SEQ_LEN = "seq_len"  # the tag key verl's driver reads a row's length from (agent_loop_tq)
-CAPABILITIES = {"dp", "bfloat16", "batch_algebra", "micro_batching"}
+CAPABILITIES = {"dp", "bfloat16", "batch_algebra", "micro_batching", "batch_union"}
 NOTES = {
     "transport": "verl has no key/value store of its own: its data plane is TransferQueue "
     "(bundled as transferqueue-simple / transferqueue-mooncake)",
@@ -485,6 +485,14 @@ class VerlBatchOps:
             out.append(from_proto(proto[start:start + n]))
             start += n
         return out
+
+    # batch_union
+    def union(self, a, b):
+        """`DataProto.union`: the tensors of both (`union_tensor_dict`: an overlapping key must
+        be `torch.equal`), the non-tensor columns of both (`union_numpy_dict`: overlapping
+        columns compared by `_deep_equal`) and both meta_info dicts; called as verl's trainer
+        calls it (`batch = batch.union(other)`)."""
+        return from_proto(to_proto(a).union(to_proto(b)))
 
     # micro_batching
     def micro_batches(self, batch, n: int, shuffle_seed: int | None = None):
