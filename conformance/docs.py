@@ -67,7 +67,10 @@ def capability_table(reports_dir=None) -> str:
     reports_dir = Path(reports_dir) if reports_dir else \
         Path(__file__).resolve().parents[1] / "docs" / "backend-reports"
     declared: dict[str, set[str]] = defaultdict(set)
-    for path in sorted(reports_dir.glob("*.json")) if reports_dir.is_dir() else ():
+    if not reports_dir.is_dir():  # an installed package holds no reports: name the folder
+        raise FileNotFoundError(f"no committed reports at {reports_dir}: pass the checkout's "
+                                "docs/backend-reports")
+    for path in sorted(reports_dir.glob("*.json")):
         try:
             info = json.loads(path.read_text())["backend_info"]
         except (ValueError, KeyError):
