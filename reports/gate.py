@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import first_line, not_tested_lines
+from ._common import first_line, headline, not_tested_lines
 from .model import ACCEPTED as _ACCEPTED
 from .model import ReportValidationError, as_report
 
@@ -50,13 +50,16 @@ class GateResult:
     # what the report never tested (surfaces and capabilities the backend left out): shown on
     # a pass too, so a green gate does not read as "everything was checked"
     not_tested: list[str] = field(default_factory=list)
+    # the report's headline (its honest score and what is waived): a green gate says how green
+    summary: str = ""
 
     def render(self) -> str:
         if self.ok:
             head = "gate: PASS"
         else:
             head = "gate: FAIL" if self.exit_code == EXIT_FAILED else "gate: ERROR (usage)"
-        lines = [head, *(f"  - {r}" for r in self.reasons)]
+        lines = [head, *([f"  {self.summary}"] if self.summary else []),
+                 *(f"  - {r}" for r in self.reasons)]
         if self.not_tested:
             lines.append("  not tested (not applicable to this backend):")
             lines += [f"  · {n}" for n in self.not_tested]
@@ -183,8 +186,8 @@ def gate(
 
     untested = not_tested_lines(report)
     if reasons:
-        return GateResult(False, reasons, EXIT_FAILED, untested)
-    return GateResult(True, [], EXIT_OK, untested)
+        return GateResult(False, reasons, EXIT_FAILED, untested, headline(report))
+    return GateResult(True, [], EXIT_OK, untested, headline(report))
 
 
 def tested(report: Mapping[str, Any]) -> set[str]:
