@@ -87,11 +87,23 @@ def untested(report: Mapping[str, Any]) -> dict[str, int]:
 
 
 def verdict_word(report: Mapping[str, Any]) -> str:
-    """PASS only when nothing fails, nothing is partial and the run recorded no problem."""
+    """PASS only when nothing fails, nothing is partial and the run recorded no problem;
+    PARTIAL when nothing failed but clauses were left out of the run (deselected: the gate fails
+    it, yet "FAIL: 24 of 24 pass" would misread it); else FAIL."""
     from .model import FAILING
 
-    bad = any(c["status"] in FAILING for c in report["clauses"])
-    return "FAIL" if bad or report.get("problems") or report.get("deselected") else "PASS"
+    if any(c["status"] in FAILING for c in report["clauses"]) or report.get("problems"):
+        return "FAIL"
+    return "PARTIAL" if report.get("deselected") else "PASS"
+
+
+def badge_word(report: Mapping[str, Any], verdict: Any) -> str:
+    """The report's badge from its gate verdict: PARTIAL when the gate fails it only for being
+    a partial run (its deselected clauses, and the coverage that leaves out)."""
+    if verdict.ok:
+        return "PASS"
+    partial_only = all(r.startswith(("partial run", "coverage lost")) for r in verdict.reasons)
+    return "PARTIAL" if partial_only and verdict_word(report) == "PARTIAL" else "FAIL"
 
 
 def headline(report: Mapping[str, Any]) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
+    badge_word,
     family_matrix,
     first_line,
     flatten,
@@ -362,6 +363,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "backend": report["backend"],
         "description": info.get("description") or "",
         "ok": verdict.ok,
+        "badge": badge_word(report, verdict),
         "reasons": verdict.reasons,
         "headline": headline(report),
         "families": family_matrix(report),

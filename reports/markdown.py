@@ -14,6 +14,7 @@ from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
     STATUS_MARK,
+    badge_word,
     family_matrix,
     flatten,
     fmt_duration,
@@ -75,7 +76,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
     lines: list[str] = []
-    badge = "PASS" if verdict.ok else "FAIL"
+    badge = badge_word(report, verdict)
     lines.append(f"## rlconform · {_code(report['backend'])} · {badge}")
     lines.append("")
     lines.append(f"**{escape(headline(report))}**")

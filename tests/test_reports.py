@@ -1015,6 +1015,23 @@ def test_gate_fails_a_partial_run():
     assert not result.ok and any("TRAIN-RATIO-ONE" in r for r in result.reasons)
 
 
+def test_a_partial_run_with_nothing_failing_reads_partial_not_fail():
+    """`--surfaces transport` on a store whose every clause passes: the gate fails the partial
+    run, and every format says PARTIAL (it said "FAIL: 24 of 24 ... pass")."""
+    from rlconform.reports._common import headline
+    from rlconform.reports.sample import example_report
+
+    report = example_report(failing=False)
+    report["deselected"] = ["TRAIN-RATIO-ONE"]
+    assert headline(report).startswith("PARTIAL: "), headline(report)
+    assert render_markdown(report).splitlines()[0].endswith("· PARTIAL")
+    assert ">PARTIAL</span>" in render_html(report)
+    report["clauses"][0]["status"] = "failed"  # a failure as well: FAIL everywhere
+    report["summary"] = summarize_clauses(report["clauses"])
+    assert headline(report).startswith("FAIL: ")
+    assert render_markdown(report).splitlines()[0].endswith("· FAIL")
+
+
 def test_flat_distributions_are_not_plotted():
     from rlconform.reports._common import is_flat
 
