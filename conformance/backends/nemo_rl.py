@@ -774,6 +774,8 @@ NOTES = {
                       "policy's token budgets",
     "multiprocess": "NoOpDataPlaneClient is a dict inside one process: rank processes cannot "
                     "reopen it by an address; NeMo-RL's TransferQueue client is not wrapped",
+    "batch_union": "BatchedDataDict (a UserDict) has no union of two batches over the same rows: "
+                   "callers merge with dict.update, which overwrites a shared key unchecked",
 }
 
 

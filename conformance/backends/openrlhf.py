@@ -357,6 +357,9 @@ NOTES = {
     "trainer": "OpenRLHF's actor (models/actor.py) imports deepspeed and flash-attn and its "
                "trainers need Ray GPU actors; not run here",
     "rollout": "OpenRLHF generates with vLLM engines (trainer/ray/vllm_engine.py); not run here",
+    "batch_union": "Experience has no union of two batches over the same samples: "
+                   "make_experience assigns each computed field (action_log_probs, values, ...) "
+                   "onto the rollout's own Experience objects",
 }
 
 

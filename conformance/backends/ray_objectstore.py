@@ -363,6 +363,8 @@ backend = Backend(
     session=session,
     notes={s: "a transport over Ray's object store: the codec, meta, batch ops, trainer and "
               "rollout around it are the training framework's" for s in
-           ("codec", "meta", "batch_ops", "trainer", "rollout")},
+           ("codec", "meta", "batch_ops", "trainer", "rollout")} | {
+        "object_columns": "not mapped: column blocks hold raw tensor bytes; per-row Python "
+                          "objects would travel pickled, which this adapter does not do"},
     version=package_version("ray", "Ray"),
 )

@@ -373,6 +373,11 @@ STORE_NOTES = {s: "a key/value store: the codec, meta, batch ops, trainer and ro
                   "backends judge those)" for s in ("codec", "meta", "batch_ops", "trainer",
                                                        "rollout")}
 
+STORE_NOTES["object_columns"] = (
+    "not mapped: this adapter stores tensor columns; TransferQueue's per-row object leaves "
+    "(NonTensorStack, as verl's rollout write puts multi_modal_inputs) are exercised by the verl "
+    "backend")
+
 simple_backend = Backend(
     name="transferqueue-simple",
     description="TransferQueue 0.1.11 KV API on SimpleStorage (one storage unit), Ray in process",
@@ -390,7 +395,8 @@ mooncake_backend = Backend(
     transport=TransferQueueTransport,
     capabilities=frozenset(CAPABILITIES),
     session=mooncake_session,
-    notes=dict(STORE_NOTES),
+    notes={**STORE_NOTES, "multiprocess": "a rank's client would mount its own Mooncake segment "
+           "beside the driver's: not set up or tested here (docs/backends.md, rank processes)"},
     version=", ".join(v for v in (package_version("TransferQueue"), package_version(
         "mooncake-transfer-engine-non-cuda", "Mooncake")) if v),
 )
