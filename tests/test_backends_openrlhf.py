@@ -65,7 +65,8 @@ def test_backend_declares_what_it_wraps_and_why_not_the_rest():
     backend = load_backend("openrlhf")
     assert backend.surfaces == ("batch_ops",)
     assert {"batch_algebra", "micro_batching"} <= backend.capabilities
-    assert set(backend.notes) == {"transport", "codec", "meta", "trainer", "rollout"}
+    # the surfaces it leaves out and the one capability of its surface it cannot declare
+    assert set(backend.notes) == {"transport", "codec", "meta", "trainer", "rollout", "batch_union"}
     assert "OpenRLHF 0.11.2" in backend.description
     reqs = requirements("openrlhf")
     assert "--no-deps openrlhf==0.11.2" in reqs and "pylatexenc" in reqs
