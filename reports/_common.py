@@ -97,15 +97,6 @@ def verdict_word(report: Mapping[str, Any]) -> str:
     return "PARTIAL" if report.get("deselected") else "PASS"
 
 
-def badge_word(report: Mapping[str, Any], verdict: Any) -> str:
-    """The report's badge from its gate verdict: PARTIAL when the gate fails it only for being
-    a partial run (its deselected clauses, and the coverage that leaves out)."""
-    if verdict.ok:
-        return "PASS"
-    partial_only = all(r.startswith(("partial run", "coverage lost")) for r in verdict.reasons)
-    return "PARTIAL" if partial_only and verdict_word(report) == "PARTIAL" else "FAIL"
-
-
 def headline(report: Mapping[str, Any]) -> str:
     """The one line every renderer leads with: the verdict, the clauses that pass without a
     waiver over the applicable ones (the score), and beside it what is waived, failing and not

@@ -52,6 +52,13 @@ class GateResult:
     not_tested: list[str] = field(default_factory=list)
     # the report's headline (its honest score and what is waived): a green gate says how green
     summary: str = ""
+    # failed only for being a partial run (clauses deselected, and the coverage that leaves out)
+    partial_only: bool = False
+
+    @property
+    def word(self) -> str:
+        """The report's badge: PASS, PARTIAL (nothing failed, clauses were left out) or FAIL."""
+        return "PASS" if self.ok else "PARTIAL" if self.partial_only else "FAIL"
 
     def render(self) -> str:
         if self.ok:
@@ -117,6 +124,7 @@ def gate(
             )
     today = today or _dt.date.today()
     reasons: list[str] = []
+    partial: set[str] = set()  # the reasons that say only that the run left clauses out
     clauses = report["clauses"]
     by_id = {c["id"]: c for c in clauses}
     extra_required = list(dict.fromkeys(required or ()))
@@ -150,11 +158,16 @@ def gate(
     for problem in report.get("problems") or ():
         reasons.append(f"problem: {problem}")
     if report.get("deselected"):
-        reasons.append(f"partial run: clauses not run: {', '.join(report['deselected'])}")
+        reason = f"partial run: clauses not run: {', '.join(report['deselected'])}"
+        reasons.append(reason)
+        partial.add(reason)
     reasons += _kill_matrix_reasons(report.get("kill_matrix"))
 
     if baseline is not None:
-        reasons += _coverage_drops(report, baseline, allow_coverage_drop)
+        for reason, deselected in _coverage_drops(report, baseline, allow_coverage_drop):
+            reasons.append(reason)
+            if deselected:
+                partial.add(reason)
         old_status = {c["id"]: c["status"] for c in baseline["clauses"]}
         regressed = set()
         for c in clauses:
@@ -186,7 +199,8 @@ def gate(
 
     untested = not_tested_lines(report)
     if reasons:
-        return GateResult(False, reasons, EXIT_FAILED, untested, headline(report))
+        return GateResult(False, reasons, EXIT_FAILED, untested, headline(report),
+                          partial_only=set(reasons) <= partial)
     return GateResult(True, [], EXIT_OK, untested, headline(report))
 
 
@@ -196,8 +210,9 @@ def tested(report: Mapping[str, Any]) -> set[str]:
 
 
 def _coverage_drops(report: Mapping[str, Any], baseline: Mapping[str, Any],
-                    allowed: Iterable[str]) -> list[str]:
-    """One reason per clause the baseline tested and this report does not, unless allowed."""
+                    allowed: Iterable[str]) -> list[tuple[str, bool]]:
+    """One reason per clause the baseline tested and this report does not, unless allowed, with
+    whether the clause was only deselected from this run."""
     allowed = set(allowed)
     declared = {d["clause"]: d["reason"] for d in report.get("coverage_drops_allowed") or ()}
     by_id = {c["id"]: c for c in report["clauses"]}
@@ -207,13 +222,14 @@ def _coverage_drops(report: Mapping[str, Any], baseline: Mapping[str, Any],
         if "all" in allowed or cid in allowed or cid in declared:
             continue
         c = by_id.get(cid)
-        why = ("deselected from this run" if cid in (report.get("deselected") or ())
+        deselected = cid in (report.get("deselected") or ())
+        why = ("deselected from this run" if deselected
                else f"not applicable now: {first_line(c.get('message'))}" if c
                else "absent from this report")
-        reasons.append(
+        reasons.append((
             f"coverage lost: {cid} was tested in the baseline and is not now ({why}); if this "
             "is intended, pass --allow-coverage-drop " + cid + " or add it to the backend's "
-            "expectations file ([coverage] allow_drop, with a reason)")
+            "expectations file ([coverage] allow_drop, with a reason)", deselected))
     return reasons
 
 

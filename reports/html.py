@@ -18,7 +18,6 @@ from typing import Any
 from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
-    badge_word,
     family_matrix,
     first_line,
     flatten,
@@ -363,7 +362,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "backend": report["backend"],
         "description": info.get("description") or "",
         "ok": verdict.ok,
-        "badge": badge_word(report, verdict),
+        "badge": verdict.word,
         "reasons": verdict.reasons,
         "headline": headline(report),
         "families": family_matrix(report),

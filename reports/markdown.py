@@ -14,7 +14,6 @@ from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
     STATUS_MARK,
-    badge_word,
     family_matrix,
     flatten,
     fmt_duration,
@@ -76,7 +75,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
     lines: list[str] = []
-    badge = badge_word(report, verdict)
+    badge = verdict.word
     lines.append(f"## rlconform · {_code(report['backend'])} · {badge}")
     lines.append("")
     lines.append(f"**{escape(headline(report))}**")

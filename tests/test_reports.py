@@ -439,8 +439,15 @@ def test_gate_fails_a_run_that_lost_coverage_unless_told():
     partial["clauses"] = [c for c in partial["clauses"] if c["id"] != "DP-NO-ALIAS"]
     partial["deselected"] = ["DP-NO-ALIAS"]
     refresh(partial)
-    reasons = gate(partial, baseline=green(), today=TODAY).reasons
-    assert any("coverage lost: DP-NO-ALIAS" in r and "deselected" in r for r in reasons), reasons
+    result = gate(partial, baseline=green(), today=TODAY)
+    assert any("coverage lost: DP-NO-ALIAS" in r and "deselected" in r for r in result.reasons), \
+        result.reasons
+    assert result.word == "PARTIAL", result.reasons  # failed only for being a partial run
+    # coverage lost for another reason (a capability dropped) beside the partial run: FAIL
+    dropped = set_status(green(), "DP-NO-ALIAS", "not_applicable",
+                         "backend does not declare ['partitions']", tests=[])
+    dropped["deselected"] = ["DP-MEDIA-DEDUP"]
+    assert gate(dropped, baseline=green(), today=TODAY).word == "FAIL"
 
 
 def test_gate_fails_a_skipped_clause():
