@@ -58,7 +58,7 @@ def _advantages_in_put_order():
                 return batch
             wanted = set(meta.keys)
             order = [k for k in self.transport.list(meta.partition) if k in wanted]
-            cols, tags = self.transport.get(meta.partition, order, select_fields=["advantages"])
+            cols, _ = self.transport.get(meta.partition, order, select_fields=["advantages"])
             return batch.replace(advantages=cols["advantages"])
 
     return _backend(T)
