@@ -112,17 +112,6 @@ class Rollouts:
         return self._batches[key]
 
 
-@pytest.fixture(scope="module")
-def rollouts(device, dtype, seed):
-    """One intra-op thread on CPU: hidden-64 models gain nothing from more, and on a busy
-    2-core runner spinning worker threads made each step ~10x slower (logprobs are bitwise
-    the same for any thread count, BACKGROUND.md s7)."""
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    yield Rollouts.shared(device, dtype, seed)
-    torch.set_num_threads(threads)
-
 
 def settings_not_declared(backend, *names: str) -> dict[str, str]:
     """Of the TrainerSettings fields `names`, those the backend's trainer declares it has no

@@ -55,7 +55,7 @@ from rlconform.conformance.catalogue_trainer import (
     loss_reorder_tol,
 )
 from rlconform.conformance.clauses._memory import new_trainer
-from rlconform.conformance.clauses.test_trainer import GROUP, Rollouts, settings_not_declared
+from rlconform.conformance.clauses.test_trainer import GROUP, settings_not_declared
 from rlconform.conformance.plugin import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
 from rlconform.reference_impl.loss import LossConfig
@@ -72,15 +72,6 @@ SPLIT_BITWISE_FAMILIES = ("smolvlm", "text")
 # one per row of the 3-prompt x 2 batch: distinct, both signs in every group
 ADVANTAGES = (1.0, -0.5, 0.75, -1.25, 0.5, -0.25)
 
-
-@pytest.fixture(scope="module")
-def rollouts(device, dtype, seed):
-    """As in test_trainer.py: one intra-op thread on CPU."""
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    yield Rollouts.shared(device, dtype, seed)
-    torch.set_num_threads(threads)
 
 
 # -- observing the trainer ----------------------------------------------------------------

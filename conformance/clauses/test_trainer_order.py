@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlconform.conformance.clauses._memory import new_trainer
-from rlconform.conformance.clauses.test_trainer import GROUP, Rollouts
+from rlconform.conformance.clauses.test_trainer import GROUP
 from rlconform.reference_impl.codec import WireBatch
 from rlconform.reference_impl.grpo import mint_keys, put_advantages, write_rollout
 from rlconform.reference_impl.registry import Stage
@@ -39,14 +39,6 @@ FAMILIES = ("qwen2_vl", "smolvlm", "text")
 IMAGES = (1, 2, 1)
 REWARDS_SEED = 3
 
-
-@pytest.fixture(scope="module")
-def rollouts(device, dtype, seed):
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    yield Rollouts.shared(device, dtype, seed)
-    torch.set_num_threads(threads)
 
 
 def _orders(meta_cls, n: int, meta) -> dict[str, list]:
