@@ -60,3 +60,14 @@ def get_mutant(name: str) -> Mutant:
         return MUTANTS[name]
     except KeyError:
         raise LookupError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}") from None
+
+
+def keys_of_first_row(column):
+    """A per-row dict column rebuilt through a columnar schema taken from its first non-empty
+    row: keys that first appear in a later row are dropped (the defect of the mutants that
+    call it, in the codec and in select)."""
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    schema = next((list(r) for r in column.rows if r), [])
+    return ObjectColumn([None if r is None else {k: v for k, v in r.items() if k in schema}
+                         for r in column.rows])

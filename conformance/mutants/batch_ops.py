@@ -11,7 +11,7 @@ from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind, Stage, spec
 
-from . import mutant
+from . import keys_of_first_row, mutant
 
 
 def _with(cls):
@@ -420,11 +420,7 @@ def _select_schema():
         def select(self, batch, indices):
             out = batch.select(indices)
             for name in out.names(Kind.OBJECT):
-                rows = out[name].rows
-                schema = next((list(r) for r in rows if r), [])
-                out.fields[name] = ObjectColumn([None if r is None else
-                                                 {k: v for k, v in r.items() if k in schema}
-                                                 for r in rows])
+                out.fields[name] = keys_of_first_row(out[name])
             return out
 
     return _with(Ops)()

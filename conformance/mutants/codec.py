@@ -14,7 +14,7 @@ from rlconform.reference_impl.objects import ObjectColumn
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import FIELDS, Kind
 
-from . import mutant
+from . import keys_of_first_row, mutant
 
 
 def _with(cls):
@@ -396,11 +396,7 @@ def _first_row_schema():
         def encode(self, batch):
             fields = dict(batch.fields)
             for name in batch.names(Kind.OBJECT):
-                rows = batch[name].rows
-                schema = next((list(r) for r in rows if r), [])
-                fields[name] = ObjectColumn([None if r is None else
-                                             {k: v for k, v in r.items() if k in schema}
-                                             for r in rows])
+                fields[name] = keys_of_first_row(batch[name])
             return super().encode(Batch(fields, batch.family, dict(batch.extra)))
 
     return _with(C)()
