@@ -1068,19 +1068,15 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
     plan = design(cfg, batch, point)
     assert_regime(cfg, point, batch, plan)
     fam = build_family(family)
-    # a tenth of the default rate: one AdamW step then moves logprobs by tenths of a nat, so
-    # the later step's ratios spread around the designed ones, inside the clip range and out
-    settings = rollouts.settings(family, loss=cfg, lr=LATER_STEP_LR)
-    model = fam.build_model(seed=settings.seed, dtype=dtype, device=device)
-    st = _step(backend, transport, codec, meta_cls, settings, batch, plan=plan,
-               model_copy=model, optimizer="weights")
-    model.train(False)
+    model = fam.build_model(seed=rollouts.settings(family).seed, dtype=dtype, device=device)
+    tol = LATER_STEP_LOG_RATIO_TOL[dtype]
+    st, later = _later_step_regime(backend, transport, codec, meta_cls, device, dtype,
+                                       record_metric, rollouts, family, point, cfg, batch,
+                                       prompts, images, plan, fam, model)
     results = _optimizer_steps(st, cfg)
     assert len(st.optimizer) == cfg.optimizer_steps, \
         f"{len(st.optimizer)} optimizer steps were taken on trainer.model's parameters for " \
         f"a batch that takes {cfg.optimizer_steps}"
-    tol = LATER_STEP_LOG_RATIO_TOL[dtype]
-    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     for s, rows in enumerate(_step_rows(cfg, len(batch))):
         got = results[s].metrics["probs_ratio"].double()
         if s == 0:  # TRAIN-RATIO-ONE's regime: the train pass's logprobs are the prev pass's
@@ -1092,27 +1088,8 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
                 "step 1: probs_ratio does not follow the stored prev logprobs (the first " \
                 "step's train logprobs must be the prev pass's, TRAIN-RATIO-ONE)"
             continue
-        model.load_state_dict(st.optimizer[s].weights)
-        with torch.no_grad():
-            terms = _recomputed_rows(model, fam, batch, prompts, images, st, rows, dtype,
-                                     device, False)
-        moved = _moved(terms, rows, plan)
-        record_metric(f"later_step_{s + 1}_logprob_change_max", moved)
-        assert moved > MOVED_OVER_TOL * tol, f"test setup ({point}): by step {s + 1} the policy moved no " \
-            f"loss token's logprob by more than {moved:.3g}: its ratio is still the first step's"
-        want_log = []
-        for t in terms:
-            lr = t.logp.double() - t.prev
-            if cfg.ratio_level == "sequence" and lr.numel():
-                lr = lr.mean().expand(lr.numel())
-            want_log.append(lr)
-        want_log = torch.cat(want_log).cpu()  # beside the step's metrics
-        sides = {(t.adv > 0, "above" if x > math.log(hi) else "below" if x < math.log(lo)
-                  else "inside") for t, lr in zip(terms, _split_rows(want_log, terms))
-                 for x in lr.tolist()}
-        assert {(True, "above"), (False, "below")} <= sides and \
-            any(x == "inside" for _, x in sides), f"test setup ({point}): at step {s + 1} the " \
-            f"clip must be live on both sides of the range and ratios inside it: {sorted(sides)}"
+        terms, want_log = later[s]
+        record_metric(f"later_step_{s + 1}_logprob_change_max", _moved(terms, rows, plan))
         assert got.numel() == want_log.numel(), f"step {s + 1}: probs_ratio has " \
             f"{got.numel()} values for the step's {want_log.numel()} loss tokens"
         err = (got.log().sort().values - want_log.sort().values).abs()
@@ -1125,7 +1102,7 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
             f"{float(want_log.max().exp()):.6g}): old logprobs refreshed or stale between steps")
         tokens = sum(t.logp.numel() for t in terms)
         loss, mass = objective(terms, cfg, tokens, len(rows))
-        slope = sum(abs(t.adv) * float(lr.exp().sum()) for t, lr in
+        slope = sum(abs(t.adv) * float(x.exp().sum()) for t, x in
                     zip(terms, _split_rows(want_log, terms))) / max(tokens, 1)
         bound = CLOSED_FORM_LOSS_RTOL * mass + 2 * tol * slope
         diff = abs(results[s].loss - float(loss))
@@ -1134,7 +1111,84 @@ def test_later_steps_ratio_is_the_policy_change(backend, transport, codec, meta_
             f"{bound:.3g})"
 
 
+def _later_step_regime(backend, transport, codec, meta_cls, device, dtype, record_metric,
+                       rollouts, family, point, cfg, batch, prompts, images, plan, fam, model):
+    """The step, at a learning rate at which its later steps are in the clause's regime: the
+    policy moved past the log-ratio tolerance, and ratios lie inside the clip range and beyond
+    it on both sides. How far one optimizer step moves the logprobs depends on the model's
+    width (one AdamW step at 1e-3 moves a tiny model's by ~0.25 nats and a 2B model's past
+    every clip bound), so the rate is measured, not fixed: from LATER_STEP_LR, each try scales
+    it by LATER_STEP_TARGET_CHANGE over the largest change it produced (an independent forward
+    of the weights before and after, row by row; a first AdamW step moves each weight by about
+    the rate, so the change is about proportional to it). Every try is recorded in the report
+    (`later_step_lr` per try, `later_step_change` beside it); the regime assertions then judge
+    the last one. Returns the step and each later step's (terms, wanted log ratios)."""
+    tol = LATER_STEP_LOG_RATIO_TOL[dtype]
+    lo, hi = math.log(1.0 - cfg.clip_low), math.log(1.0 + cfg.clip_high)
+    step_rows = _step_rows(cfg, len(batch))
+    lr, base, tries = LATER_STEP_LR, None, []
+    for attempt in range(LATER_STEP_TRIES):
+        settings = rollouts.settings(family, loss=cfg, lr=lr)
+        st = _step(backend, transport, codec, meta_cls, settings, batch, plan=plan,
+                   model_copy=model, optimizer="weights")
+        model.train(False)
+        if base is None:  # the copy holds the initial weights now
+            with torch.no_grad():
+                base = {i: t.logp.double() for i, t in enumerate(_recomputed_rows(
+                    model, fam, batch, prompts, images, st, range(len(batch)), dtype, device,
+                    False))}
+        assert len(st.optimizer) == cfg.optimizer_steps, \
+            f"{len(st.optimizer)} optimizer steps were taken on trainer.model's parameters " \
+            f"for a batch that takes {cfg.optimizer_steps}"
+        later, change, missing = {}, 0.0, []
+        for s, rows in enumerate(step_rows):
+            if not s:
+                continue
+            model.load_state_dict(st.optimizer[s].weights)
+            with torch.no_grad():
+                terms = _recomputed_rows(model, fam, batch, prompts, images, st, rows, dtype,
+                                         device, False)
+            change = max([change] + [float((t.logp.double() - base[i]).abs().max())
+                                     for i, t in zip(rows, terms) if t.logp.numel()])
+            want_log = []
+            for t in terms:
+                x = t.logp.double() - t.prev
+                if cfg.ratio_level == "sequence" and x.numel():
+                    x = x.mean().expand(x.numel())
+                want_log.append(x)
+            want_log = torch.cat(want_log).cpu()  # beside the step's metrics
+            later[s] = (terms, want_log)
+            sides = {(t.adv > 0, "above" if x > hi else "below" if x < lo else "inside")
+                     for t, row in zip(terms, _split_rows(want_log, terms))
+                     for x in row.tolist()}
+            moved = _moved(terms, rows, plan)
+            if moved <= MOVED_OVER_TOL * tol:
+                missing.append(f"step {s + 1}: no loss token's logprob moved by more than "
+                               f"{moved:.3g} (a ratio left at the first step's value passes)")
+            if not ({(True, "above"), (False, "below")} <= sides and
+                    any(x == "inside" for _, x in sides)):
+                missing.append(f"step {s + 1}: the clip is not live on both sides of the range "
+                               f"with ratios inside it: {sorted(sides)}")
+        record_metric("later_step_lr", [lr], step=attempt)  # one value per try: a series
+        record_metric("later_step_change", [change], step=attempt)
+        tries.append(f"lr {lr:.3g}: largest change {change:.3g} nats"
+                     + (f" ({'; '.join(missing)})" if missing else ""))
+        if not missing:
+            return st, later
+        lr *= min(LATER_STEP_MAX_SCALE, LATER_STEP_TARGET_CHANGE / max(change, 1e-12))
+    raise AssertionError(f"test setup ({point}): no learning rate tried put the later steps in "
+                         f"the clause's regime: " + "; ".join(tries))
+
+
+# the first rate tried (one AdamW step moves a tiny model's logprobs by tenths of a nat there),
+# and how the next is chosen: scaled so that the largest change becomes LATER_STEP_TARGET_CHANGE
+# nats (above the bf16 log-ratio tolerance times MOVED_OVER_TOL, 0.19; a change well under ln 1.2
+# for most tokens keeps the designed ratio-1 tokens inside the clip range), at most
+# LATER_STEP_MAX_SCALE times larger per try (a bf16 weight ignores a step under half its ulp)
 LATER_STEP_LR = 1e-3
+LATER_STEP_TARGET_CHANGE = 0.5
+LATER_STEP_MAX_SCALE = 10.0
+LATER_STEP_TRIES = 4
 # a later step's regime: the first update moved some loss token's logprob by this many times the
 # log-ratio tolerance, so a ratio left at the first step's value is off by more than the
 # tolerance (bf16 at tiny width: moved 0.24 nats against 0.125; the row-by-row forward agrees
