@@ -222,7 +222,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if clash:
             raise pytest.UsageError(clash)
     config.pluginmanager.register(st, "rlconform-state")
-    _gpu_plan_preflight(config)
+    _gpu_ledger(config)
     _register_profiles()
     from hypothesis import settings
 
@@ -607,28 +607,53 @@ def _is_model_test(item) -> bool:
                for i in _clause_ids(item))
 
 
-def _gpu_plan_preflight(config: pytest.Config) -> None:
-    """On the controller of a CUDA run at production width: share a reservation ledger with the
-    workers (through the environment they inherit) and refuse, before any test runs, a GPU too
-    small for the largest planned test."""
-    from rlconform.fixtures.sizes import PRODUCTION, PRODUCTION_MODELS, model_size
+def _production_cuda(config: pytest.Config) -> bool:
+    from rlconform.fixtures.sizes import PRODUCTION, model_size
 
-    if hasattr(config, "workerinput") or not config.getoption("--device").startswith("cuda") \
-            or model_size() != PRODUCTION:
+    return config.getoption("--device").startswith("cuda") and model_size() == PRODUCTION
+
+
+def _gpu_ledger(config: pytest.Config) -> None:
+    """On the controller of a CUDA run at production width: share a reservation ledger with the
+    workers (through the environment they inherit, so before they start)."""
+    if hasattr(config, "workerinput") or not _production_cuda(config):
         return
     import tempfile
 
+    os.environ.setdefault(gpu_memory.LEDGER_ENV, os.path.join(
+        tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse, before any test runs, a GPU too small for the largest planned test of the
+    families the selected model tests build (after -k, --surfaces and the rest: a run that
+    leaves the largest families out fits a smaller GPU). Under xdist every worker collects the
+    same items and says it."""
+    config = session.config
+    if not _production_cuda(config):
+        return
     import torch
 
     if not torch.cuda.is_available():
         return  # the device fixture says so
+    from rlconform.fixtures.sizes import PRODUCTION_MODELS
+
+    families = sorted({f for item in session.items if _is_model_test(item)
+                       for f in _item_families(item)} & set(PRODUCTION_MODELS))
     props = torch.cuda.get_device_properties(0)
-    why = gpu_memory.preflight(gpu_memory.load_plan(), list(PRODUCTION_MODELS),
-                               props.total_memory, props.name)
+    why = gpu_memory.preflight(gpu_memory.load_plan(), families, props.total_memory,
+                               props.name)
     if why:
         raise pytest.UsageError(why)
-    os.environ.setdefault(gpu_memory.LEDGER_ENV, os.path.join(
-        tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
+
+
+def _item_families(item) -> set[str]:
+    """The families a test builds: its `family` parameter, or every production family."""
+    from rlconform.fixtures.sizes import PRODUCTION_MODELS
+
+    spec = getattr(item, "callspec", None)
+    family = spec.params.get("family") if spec is not None else None
+    return {family} if isinstance(family, str) else set(PRODUCTION_MODELS)
 
 
 @pytest.fixture
