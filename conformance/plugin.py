@@ -177,6 +177,7 @@ class RlconformState:
         if hasattr(self.config, "workerinput"):
             return
         self.selected = {_plain_nodeid(item.nodeid): _clause_ids(item) for item in session.items}
+        _preflight(self.config, list(self.selected))
 
     @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the plugin loads without xdist
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
@@ -185,6 +186,7 @@ class RlconformState:
         which run in the workers) is over. Every worker selects the same tests."""
         if self.selected is None:
             self.selected = {_plain_nodeid(i): [] for i in ids}
+            _preflight(self.config, list(self.selected))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:
@@ -624,12 +626,11 @@ def _gpu_ledger(config: pytest.Config) -> None:
         tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Refuse, before any test runs, a GPU too small for the largest planned test of the
-    families the selected model tests build (after -k, --surfaces and the rest: a run that
-    leaves the largest families out fits a smaller GPU). Under xdist every worker collects the
-    same items and says it."""
-    config = session.config
+def _preflight(config: pytest.Config, nodeids) -> None:
+    """Stop the run, before any test runs, on a GPU too small for the largest planned test of
+    the families the selected model tests build (after -k, --surfaces and the rest: a run that
+    leaves the largest families out fits a smaller GPU). A test without a `family` parameter
+    is planned at the plan's default."""
     if not _production_cuda(config):
         return
     import torch
@@ -638,22 +639,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return  # the device fixture says so
     from rlconform.fixtures.sizes import PRODUCTION_MODELS
 
-    families = sorted({f for item in session.items if _is_model_test(item)
-                       for f in _item_families(item)} & set(PRODUCTION_MODELS))
+    from .docs import tests_by_clause
+
+    model_tests = {t for cid, tests in tests_by_clause().items() if cid in catalogue.BY_ID
+                   and catalogue.BY_ID[cid].surface in MODEL_SURFACES for t in tests}
+    families = set()
+    for nodeid in nodeids:
+        path, _, rest = nodeid.partition("::")
+        function, _, params = rest.partition("[")
+        if f"{path.split('/')[-1]}::{function}" in model_tests:
+            families |= set(params.split("]")[0].split("-")) & set(PRODUCTION_MODELS)
     props = torch.cuda.get_device_properties(0)
-    why = gpu_memory.preflight(gpu_memory.load_plan(), families, props.total_memory,
+    why = gpu_memory.preflight(gpu_memory.load_plan(), sorted(families), props.total_memory,
                                props.name)
     if why:
-        raise pytest.UsageError(why)
-
-
-def _item_families(item) -> set[str]:
-    """The families a test builds: its `family` parameter, or every production family."""
-    from rlconform.fixtures.sizes import PRODUCTION_MODELS
-
-    spec = getattr(item, "callspec", None)
-    family = spec.params.get("family") if spec is not None else None
-    return {family} if isinstance(family, str) else set(PRODUCTION_MODELS)
+        pytest.exit(why, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture
