@@ -1,4 +1,4 @@
-"""The GPU memory plan (conformance/gpu_memory.py): planned peaks, the pre-flight refusal, the
+"""The GPU memory plan (conformance/engine/gpu_memory.py): planned peaks, the pre-flight refusal, the
 reservation ledger shared by processes, folding a run's peaks into the plan. No GPU needed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlconform.conformance import gpu_memory as gm
+from rlconform.conformance.engine import gpu_memory as gm
 
 PLAN = {"margin": 1.1, "default_gib": 40.0, "families": {
     "gemma3": {"peak_gib": 80.0, "tests": {"test_legacy_parity": 90.0}},

@@ -33,7 +33,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from rlconform.conformance.catalogue_trainer import (
+from rlconform.conformance.catalogue.trainer import (
     CLOSED_FORM_LOSS_RTOL,
     CLOSED_FORM_POINTS,
     CLOSED_FORM_RATIOS,
@@ -54,9 +54,9 @@ from rlconform.conformance.catalogue_trainer import (
     UPDATE_RTOL,
     loss_reorder_tol,
 )
-from rlconform.conformance.clauses._memory import new_trainer
+from rlconform.conformance.clauses._gc import new_trainer
 from rlconform.conformance.clauses.test_trainer import GROUP, settings_not_declared
-from rlconform.conformance.plugin import NA_PREFIX
+from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
 from rlconform.reference_impl.loss import LossConfig
 from rlconform.reference_impl.recording import RecordingTransport
