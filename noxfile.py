@@ -76,7 +76,7 @@ def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] =
 
     `compile_imported`: pip installs without byte-compiling (it would compile every module of
     torch and transformers: half the install time on 2 cores), then one process imports what
-    the suite imports with bytecode writing on (runner.write_bytecode), so the processes that
+    the suite imports with bytecode writing on (mutant_worker.write_bytecode), so the processes that
     follow load compiled modules, also where PYTHONDONTWRITEBYTECODE is set. For the sessions
     whose imports that covers; the others let pip compile everything."""
     target = f".[{','.join(extras)}]" if extras else "."
@@ -88,7 +88,7 @@ def _install(session: nox.Session, *extras: str, backend_reqs: tuple[str, ...] =
     if no_deps:  # e.g. verl: its declared pins (transformers<5.11, GPU packages) are not needed
         session.install(*no_compile, *CONSTRAINTS, "--no-deps", *no_deps)
     if compile_imported:
-        session.run("python", "-c", "from rlconform.conformance.runner import write_bytecode; "
+        session.run("python", "-c", "from rlconform.conformance.engine.mutant_worker import write_bytecode; "
                     "write_bytecode()", silent=True)
 
 
@@ -252,7 +252,7 @@ def mutant_effects(session: nox.Session) -> None:
     and family): `nox -s mutant_effects -- --device cuda --dtype bfloat16 --model-size
     production`. The reference's next report includes the table."""
     _install(session)
-    session.run("python", "-m", "rlconform.e2e.mutant_effects", *_posargs(session))
+    session.run("python", "-m", "rlconform.conformance.mutants.effects", *_posargs(session))
 
 
 @nox.session(**VENV)
@@ -380,7 +380,7 @@ def docs(session: nox.Session) -> None:
     """Regenerate docs/clauses.md, README.md's capability table and docs/scoreboard.md from the
     catalogue and the committed reports."""
     _install(session)
-    session.run("python", "-c", "from rlconform.conformance.docs import refresh; "
+    session.run("python", "-c", "from rlconform.conformance.catalogue.docs import refresh; "
                 f"print('wrote', *refresh({str(ROOT)!r}))")
 
 

@@ -341,7 +341,7 @@ class _Buckets:
 
 
 def _grpo_batch(family: str, rows: int, settings, new_tokens: int):
-    from rlconform.conformance.backends.reference_trainer import make_rollout
+    from rlconform.conformance.backends.reference_trainer_rollout import make_rollout
     from rlconform.fixtures.families import build_family
     from rlconform.fixtures.images import make_prompts
 
@@ -362,7 +362,7 @@ def grpo_bench(args) -> list[dict]:
 
 
 def _grpo_family(args, family: str) -> dict:
-    from rlconform.conformance.backends.reference_trainer import make_trainer
+    from rlconform.conformance.backends.reference_trainer_rollout import make_trainer
     from rlconform.reference_impl.codec import ReferenceCodec
     from rlconform.reference_impl.dataplane import InMemoryDataPlane
     from rlconform.reference_impl.grpo import dataplane_step, legacy_step

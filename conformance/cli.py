@@ -16,7 +16,7 @@ import sys
 
 
 def _cmd_run(a, extra) -> int:
-    from rlconform.conformance import runner
+    from rlconform.conformance.engine import runner
 
     if a.backend == "all":
         from rlconform.conformance.backends import BUNDLED, own_session
@@ -42,7 +42,7 @@ def _cmd_backends(a, extra) -> int:
 
 
 def _cmd_clauses(a, extra) -> int:
-    from rlconform.conformance.docs import clause_table
+    from rlconform.conformance.catalogue.docs import clause_table
 
     if a.format == "json":
         from dataclasses import asdict
@@ -56,7 +56,7 @@ def _cmd_clauses(a, extra) -> int:
 
 
 def _cmd_mutants(a, extra) -> int:
-    from rlconform.conformance.runner import kill_matrix, no_verdict
+    from rlconform.conformance.engine.kill_matrix import kill_matrix, no_verdict
 
     def progress(row: dict, done: int, total: int, elapsed: float) -> None:
         mark = "ERROR   " if no_verdict(row) else "killed  " if row["killed"] else "SURVIVED"
@@ -137,7 +137,7 @@ def _cmd_gate(a, extra) -> int:
 
 
 def _cmd_memory_plan(a, extra) -> int:
-    from rlconform.conformance import gpu_memory
+    from rlconform.conformance.engine import gpu_memory
 
     plan = gpu_memory.fold_report(gpu_memory.load_plan(), _load(a.report))
     text = json.dumps(plan, indent=2) + "\n"
@@ -164,7 +164,7 @@ def _cmd_scoreboard(a, extra) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlconform", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    from rlconform.conformance.plugin import options_help
+    from rlconform.conformance.engine.options import options_help
 
     r = sub.add_parser("run", help="run the clause suite against a backend; extra args go to "
                                    "pytest (e.g. --profile ci --device cuda --dtype bfloat16)",
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "into the GPU memory plan (print, or --write it)")
     mp.add_argument("report")
     mp.add_argument("--write", action="store_true",
-                    help="write conformance/gpu_memory_plan.json (in a source checkout)")
+                    help="write conformance/engine/gpu_memory_plan.json (in a source checkout)")
     s = sub.add_parser("scoreboard", help="every backend against every clause, from report.json "
                                           "files or directories holding them (Markdown + HTML)")
     s.add_argument("reports", nargs="+", help="report.json files, or directories: their "
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "mutants":
-        from rlconform.conformance.runner import mutant_args_problem
+        from rlconform.conformance.engine.kill_matrix import mutant_args_problem
 
         problem = mutant_args_problem(extra)
         if problem:

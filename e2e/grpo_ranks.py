@@ -7,7 +7,7 @@ address, fetches its shard, writes its prev and reference logprobs, and the grad
 gloo/NCCL all-reduce), the same shards in one process (`grpo.dataplane_step(world=W)`), and
 world 1 in one process. With micro_batch_size >= the largest shard (the default here), each rank
 runs one micro-batch, so the ranks equal the one-process shards bitwise at world 2, step after
-step (catalogue_ranks.py, RANK-DP-PARITY regime ii); world 1 is compared within the clause's
+step (conformance/catalogue/ranks.py, RANK-DP-PARITY regime ii); world 1 is compared within the clause's
 tolerances. The rollout is refit with the ranks' weights after each step. Prints the step time
 of the ranks and of one process.
 
@@ -38,8 +38,8 @@ def run(family: str = "qwen2_vl", steps: int = 3, prompts: int = 4, group: int =
         micro_batch_size: int | None = None) -> dict:
     from rlconform.conformance.backend import load_backend
     from rlconform.conformance.backends import _procs
-    from rlconform.conformance.backends.reference_trainer import make_rollout, make_trainer
-    from rlconform.conformance.catalogue_ranks import (
+    from rlconform.conformance.backends.reference_trainer_rollout import make_rollout, make_trainer
+    from rlconform.conformance.catalogue.ranks import (
         RANK_GRAD_NORM_RTOL,
         RANK_LOSS_ATOL,
         RANK_UPDATE_RTOL,

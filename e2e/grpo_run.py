@@ -32,7 +32,7 @@ def _summary(t: torch.Tensor) -> dict:
 def run(family: str = "qwen2_vl", steps: int = 3, prompts: int = 4, group: int = 2,
         world: int = 2, max_new_tokens: int = 6, device: str = "cpu",
         dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
-    from rlconform.conformance.backends.reference_trainer import make_rollout, make_trainer
+    from rlconform.conformance.backends.reference_trainer_rollout import make_rollout, make_trainer
     from rlconform.fixtures.families import build_family
     from rlconform.fixtures.images import make_prompts, reward
     from rlconform.reference_impl.codec import ReferenceCodec

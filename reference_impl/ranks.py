@@ -79,7 +79,8 @@ rank SIGKILL itself on entering `stage` (an OOM kill's stand-in; the failure cla
 After a failure the group is dead; `close()` is idempotent and stops whatever still runs.
 
 Determinism: a rank's logprobs equal those of the same micro-batch in any other process
-(BACKGROUND.md s7); catalogue_ranks.py states exactly when a step is bitwise equal to world 1.
+(BACKGROUND.md s7); conformance/catalogue/ranks.py states exactly when a step is bitwise
+equal to world 1.
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ EFFECT_HEADER = ["Family", "Mutant", "probs_ratio min", "max", "mean", "tmpe mea
 
 
 def mutant_effect_rows(effects: Mapping[str, Any]) -> list[list[str]]:
-    """The mutants' numeric effect (e2e/mutant_effects.py) as table rows of plain text."""
+    """The mutants' numeric effect (conformance/mutants/effects.py) as table rows of plain text."""
 
     def num(d: Mapping[str, Any] | None, key: str) -> str:
         return "—" if not d or key not in d else f"{d[key]:.6g}"

@@ -105,7 +105,7 @@ def test_reports_and_gate_say_what_was_not_tested(tmp_path):
 
 
 def test_notes_say_why_a_surface_is_left_out():
-    from rlconform.conformance.report_builder import not_tested
+    from rlconform.conformance.engine.report_builder import not_tested
 
     b = Backend(name="store-only", transport=InMemoryDataPlane, capabilities={"partitions"},
                 notes={"trainer": "a data plane trains nothing"})
@@ -130,7 +130,7 @@ def test_a_required_capability_that_is_not_declared_fails_the_run(tmp_path):
 
 
 def test_the_nightly_profile_requires_bfloat16():
-    from rlconform.conformance.plugin import PROFILE_REQUIRES
+    from rlconform.conformance.engine.options import PROFILE_REQUIRES
 
     assert "bfloat16" in PROFILE_REQUIRES["nightly"]
 

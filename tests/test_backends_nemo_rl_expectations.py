@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlconform.conformance.catalogue import BY_ID
-from rlconform.conformance.waivers import BUNDLED_DIR, load_expectations
+from rlconform.conformance.engine.waivers import BUNDLED_DIR, load_expectations
 
 
 @pytest.mark.parametrize("stem", ["nemo-rl", "nemo-rl-pr2957"])

@@ -33,7 +33,7 @@ from openrlhf.utils.vlm_utils import merge_mm_train_inputs  # noqa: E402
 from rlconform.conformance.backend import load_backend  # noqa: E402
 from rlconform.conformance.backends import openrlhf as adapter  # noqa: E402
 from rlconform.conformance.backends import requirements  # noqa: E402
-from rlconform.conformance.waivers import load_expectations  # noqa: E402
+from rlconform.conformance.engine.waivers import load_expectations  # noqa: E402
 from rlconform.fixtures.synthetic import MEDIA_FORMS, RowPlan, build_batch, default_plan  # noqa: E402
 from rlconform.reference_impl.objects import row_difference  # noqa: E402
 from rlconform.reference_impl.registry import Stage  # noqa: E402

@@ -318,7 +318,7 @@ TRL_UNDECLARED = {"kl-k1": "k3 only", "kl-k2": "k3 only", "truncated-is": "vLLM"
 
 
 def test_every_grid_point_is_mapped_or_refused_with_its_reason():
-    from rlconform.conformance.catalogue_trainer import GRID
+    from rlconform.conformance.catalogue.trainer import GRID
 
     assert set(TRL_POINTS) | set(TRL_UNDECLARED) == set(GRID)
     for variant in (DEFAULT, INDEPENDENT):
@@ -339,7 +339,7 @@ def test_every_grid_point_is_mapped_or_refused_with_its_reason():
 
 @pytest.mark.parametrize("point", ["gspo", "constant-normalizer", "kl-k3-ratio-weighted"])
 def test_the_options_reach_the_grpo_trainer(point):
-    from rlconform.conformance.catalogue_trainer import GRID
+    from rlconform.conformance.catalogue.trainer import GRID
     from rlconform.reference_impl.trainer import TrainerSettings as Settings
 
     t = load_backend(INDEPENDENT).trainer(Settings("text", loss=GRID[point])).trl_trainer
@@ -370,7 +370,7 @@ def test_the_step_runs_trls_training_step_and_reuses_its_buffer_across_iteration
     reuses its buffered micro-batches, in the same order."""
     import trl.trainer.grpo_trainer as grpo
 
-    from rlconform.conformance.catalogue_trainer import GRID
+    from rlconform.conformance.catalogue.trainer import GRID
 
     shuffles = []
     real = grpo.shuffle_sequence_dict
@@ -397,7 +397,7 @@ def test_the_step_runs_trls_training_step_and_reuses_its_buffer_across_iteration
                    "entropy over its loss tokens divided by gradient_accumulation_steps, not the "
                    "step's mean per-token entropy GRPOConfig.entropy_coef documents")
 def test_e_entropy_bonus_does_not_depend_on_the_micro_batches():
-    from rlconform.conformance.catalogue_trainer import GRID
+    from rlconform.conformance.catalogue.trainer import GRID
 
     batch = _caps_rollout("text")
     adv = torch.tensor([1.0, -0.5, 0.75, -1.25, 0.5, -0.25])

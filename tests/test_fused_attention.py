@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlconform.conformance.catalogue_trainer import FUSED_ATTENTION_MEASURED
+from rlconform.conformance.catalogue.trainer import FUSED_ATTENTION_MEASURED
 from rlconform.fixtures.families import build_family
 from rlconform.reference_impl.trainer import fused_attention, fused_attention_modules
 

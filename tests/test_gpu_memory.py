@@ -1,4 +1,4 @@
-"""The GPU memory plan (conformance/gpu_memory.py): planned peaks, the pre-flight refusal, the
+"""The GPU memory plan (conformance/engine/gpu_memory.py): planned peaks, the pre-flight refusal, the
 reservation ledger shared by processes, folding a run's peaks into the plan. No GPU needed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlconform.conformance import gpu_memory as gm
+from rlconform.conformance.engine import gpu_memory as gm
 
 PLAN = {"margin": 1.1, "default_gib": 40.0, "families": {
     "gemma3": {"peak_gib": 80.0, "tests": {"test_legacy_parity": 90.0}},
@@ -91,3 +91,27 @@ def test_a_run_folds_into_the_plan():
     assert plan["families"]["text"]["peak_gib"] == 20.0
     assert "llava" not in plan["families"], "data-plane tests reserve nothing"
     assert PLAN["families"]["gemma3"]["tests"]["test_legacy_parity"] == 90.0, "input unchanged"
+
+
+def test_preflight_judges_the_families_the_selected_model_tests_build(monkeypatch):
+    """The run's preflight reads the families of the selected model tests only: a codec test
+    of a large family builds no model, and a run that leaves a family out (-k) fits a smaller
+    GPU (it refused an 80 GB H100 for SmolVLM while running only text and Qwen2-VL)."""
+    import pytest
+    import torch
+
+    from rlconform.conformance.engine import session
+
+    seen = {}
+    monkeypatch.setattr(session, "_production_cuda", lambda config: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 80 * GIB, "name": "H100"}))
+    monkeypatch.setattr(gm, "preflight",
+                        lambda plan, families, total, name: seen.setdefault("f", families))
+    ids = ["test_generation.py::test_generation_logprobs_agree_with_prev_logprobs[qwen2_vl]",
+           "test_trainer_numerics.py::test_later_steps_ratio_is_the_policy_change[text-epochs-2]",
+           "test_codec.py::test_family_roundtrip_with_shared_media[smolvlm]"]
+    with pytest.raises(pytest.exit.Exception):
+        session._gpu_plan_preflight(None, ids)
+    assert seen["f"] == ["qwen2_vl", "text"]

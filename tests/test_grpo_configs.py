@@ -3,7 +3,7 @@
 Each option is checked against hand-computed values (ratios 2, 1/2, 5/4, ... and log 2
 offsets, so every expected number is a closed form); the trainer's optimizer steps per batch
 against their definition; and every axis mutant of conformance/mutants/trainer.py against the
-grid of conformance/catalogue_trainer.py: it must change the answer at its own axis's point and
+grid of conformance/catalogue/trainer.py: it must change the answer at its own axis's point and
 leave every point where its option is off bitwise unchanged, so only that axis can kill it.
 """
 
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from rlconform.conformance.catalogue_trainer import GRID
+from rlconform.conformance.catalogue.trainer import GRID
 from rlconform.reference_impl.loss import (
     OBJECTIVE,
     LossConfig,
@@ -237,7 +237,7 @@ def _axis_inputs():
     asymmetric bands for both signs, a negative-advantage ratio above the dual clip, sequence
     means away from 1, a reference off the policy both ways, weights on both sides of the cap,
     rows of 6, 0, 4, 1, 3 and 5 tokens."""
-    from rlconform.conformance.catalogue_trainer import GRID_RATIOS, IS_WEIGHTS, KL_OFFSETS
+    from rlconform.conformance.catalogue.trainer import GRID_RATIOS, IS_WEIGHTS, KL_OFFSETS
 
     lens = [6, 0, 4, 1, 3, 5]
     width = 1 + max(lens)

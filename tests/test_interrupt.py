@@ -141,16 +141,17 @@ def test_a_test_whose_worker_died_is_an_error_and_an_interrupted_one_is_unreport
     pass). A worker stopped by Ctrl-C is not a crash: its test did not report."""
     from types import SimpleNamespace
 
-    from rlconform.conformance.plugin import CLAUSE_PROP, _logreport
+    from rlconform.conformance.engine.items import CLAUSE_PROP
+    from rlconform.conformance.engine.outcomes import logreport
 
     st = SimpleNamespace(results={}, reported=set(), selected=None, interrupted_workers={"gw1"})
     for nodeid, worker in (("m.py::test_a", "gw0"), ("m.py::test_b", "gw1")):
         setup = pytest.TestReport(nodeid=nodeid, location=("m.py", 1, nodeid), keywords={},
                                   outcome="passed", longrepr=None, when="setup",
                                   user_properties=[(CLAUSE_PROP, ["DP-TAGS"])])
-        _logreport(st, setup)
+        logreport(st, setup)
         assert nodeid not in st.reported  # a passed setup is not a result
-        _logreport(st, _xdist_crash_report(nodeid, worker))
+        logreport(st, _xdist_crash_report(nodeid, worker))
     crashed = st.results["m.py::test_a"]
     assert "m.py::test_a" in st.reported
     assert crashed["outcome"] == "error" and crashed["clauses"] == ["DP-TAGS"], crashed
@@ -179,7 +180,7 @@ def test_mutants_refuses_an_option_it_does_not_take_before_any_worker_starts(tmp
 
 
 def test_mutants_passes_through_the_options_meant_for_each_run():
-    from rlconform.conformance.runner import mutant_args_problem
+    from rlconform.conformance.engine.kill_matrix import mutant_args_problem
 
     assert mutant_args_problem(["--profile", "ci", "--device", "cpu", "--dtype", "bfloat16",
                                 "--model-size", "tiny", "--seed", "3", "--require",

@@ -99,8 +99,8 @@ def test_on_cuda_the_model_tests_form_two_xdist_groups_dealt_first():
     """Under --dist loadgroup on CUDA, trainer/rollout tests carry the group suffix xdist's
     scheduler reads, data-plane tests do not (xdist's own marker handling is a no-op on
     pytest 9.2). Collection only: no GPU needed."""
-    from rlconform.conformance.plugin import DEVICE_GROUP
-    from rlconform.conformance.runner import pytest_args
+    from rlconform.conformance.engine.items import DEVICE_GROUP
+    from rlconform.conformance.engine.runner import pytest_args
 
     ids: list[str] = []
 

@@ -169,7 +169,7 @@ def _settings(**kw):
 
 
 def _group(transport, world=2, **kw):
-    from rlconform.conformance.backends.reference_trainer import make_trainer
+    from rlconform.conformance.backends.reference_trainer_rollout import make_trainer
     from rlconform.reference_impl.codec import ReferenceCodec
 
     return make_trainer(_settings(), transport, ReferenceCodec(),
@@ -246,7 +246,7 @@ def test_ranks_die_with_their_driver(tmp_path):
     pids_file = tmp_path / "pids"
     driver = textwrap.dedent(f"""
         import time
-        from rlconform.conformance.backends.reference_trainer import make_trainer
+        from rlconform.conformance.backends.reference_trainer_rollout import make_trainer
         from rlconform.reference_impl.ranks import RankLaunch
         from rlconform.reference_impl.served import ServedDataPlane
         from rlconform.reference_impl.trainer import TrainerSettings
@@ -341,8 +341,8 @@ def _need(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL))
 def test_rank_clauses_pass_on_real_backends_and_their_mutants_die(tmp_path, monkeypatch, name):
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
     from rlconform.conformance.mutants.ranks import TRANSPORT_ENV
-    from rlconform.conformance.runner import kill_matrix
 
     _need(name)
     code, report, out, left = _run(tmp_path, name, "-k", "test_ranks")

@@ -159,8 +159,8 @@ def test_tags_are_copied_per_row_and_share_nothing():
 # -- the kill matrix ---------------------------------------------------------------------------------
 def test_claims_map_every_mutant_to_the_clauses_naming_it_whatever_their_surface():
     from rlconform.conformance import catalogue
+    from rlconform.conformance.engine.kill_matrix import claims
     from rlconform.conformance.mutants import load_all
-    from rlconform.conformance.runner import claims
 
     got = claims()
     assert set(got) == set(load_all())
@@ -194,7 +194,7 @@ def test_mutants_command_prints_each_mutant_as_it_finishes(tmp_path, umask):
 def test_a_mutant_runs_against_claims_on_other_surfaces(tmp_path):
     """image_blind_logprob_fetch breaks the trainer; GEN-LOGPROB-AGREEMENT (a rollout clause)
     claims it too, and must run against it and kill it."""
-    from rlconform.conformance.runner import kill_matrix
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
 
     seen = []
     m = kill_matrix(tmp_path, jobs=1, only=["image_blind_logprob_fetch"],
@@ -211,12 +211,12 @@ def test_write_bytecode_writes_where_the_environment_says_not_to(tmp_path):
     """nox installs the main job's packages without compiling them, then write_bytecode
     compiles what the suite imports, also under PYTHONDONTWRITEBYTECODE (set on some boxes)."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path))
-    code = "from rlconform.conformance.runner import write_bytecode; print(write_bytecode())"
+    code = "from rlconform.conformance.engine.mutant_worker import write_bytecode; print(write_bytecode())"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pyc")}
     for module in ("torch/__init__", "transformers/models/qwen2_vl/modeling_qwen2_vl",
-                   "hypothesis/core", "conformance/plugin", "reference_impl/ranks"):
+                   "hypothesis/core", "conformance/engine/plugin", "reference_impl/ranks"):
         assert any(f"/{module}." in "/" + w for w in written), (module, len(written))
 
 

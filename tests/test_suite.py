@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlconform.conformance import catalogue
-from rlconform.conformance.docs import tests_by_clause as clause_tests
+from rlconform.conformance.catalogue.docs import tests_by_clause as clause_tests
 from rlconform.conformance.mutants import load_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_reference_passes_every_clause(tmp_path):
 
 @pytest.mark.slow
 def test_kill_matrix(tmp_path):
-    from rlconform.conformance.runner import kill_matrix
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
 
     m = kill_matrix(tmp_path, jobs=2)
     survivors = {r["name"]: r.get("error", "") for r in m["mutants"] if not r["killed"]}
@@ -330,7 +330,7 @@ def test_cli_lists_backends_and_clauses():
 
 
 def test_generated_clause_table_is_current():
-    from rlconform.conformance.docs import clause_table
+    from rlconform.conformance.catalogue.docs import clause_table
 
     doc = ROOT / "docs" / "clauses.md"
     assert doc.read_text() == clause_table(), \
@@ -345,7 +345,7 @@ def test_hypothesis_failure_is_reported_and_replays(tmp_path):
     assert failures, "the hypothesis failure's example and blob are not in the report"
     h = failures[0]["hypothesis"]
     assert "batch=" in h["example"] and ":" in h["blob"], h
-    again = [sys.executable, "-m", "pytest", "-p", "rlconform.conformance.plugin", "--pyargs",
+    again = [sys.executable, "-m", "pytest", "-p", "rlconform.conformance.engine.plugin", "--pyargs",
              "rlconform.conformance.clauses", "--no-report", "-p", "no:cacheprovider", "-q",
              "-k", "test_codec and test_property_roundtrip", "--replay", h["blob"]]
     bad = subprocess.run([*again, "--backend", "mutant:densify_uniform_rows"],
@@ -432,7 +432,7 @@ def test_a_run_shows_determinism_warnings_and_hides_other_user_warnings(tmp_path
 
 def test_every_capability_gates_a_clause_and_the_readme_table_is_current():
     from rlconform.conformance.backend import CAPABILITIES
-    from rlconform.conformance.docs import capability_table
+    from rlconform.conformance.catalogue.docs import capability_table
 
     gating = {cap for c in catalogue.CLAUSES for cap in c.capabilities}
     idle = sorted(set(CAPABILITIES) - gating)
@@ -482,8 +482,8 @@ def test_a_failure_group_is_waived_only_when_every_member_is():
     matches one member must not waive the others."""
     import datetime as dt
 
-    from rlconform.conformance.verdicts import CoveringWaivers
-    from rlconform.conformance.waivers import Waiver
+    from rlconform.conformance.engine.verdicts import CoveringWaivers
+    from rlconform.conformance.engine.waivers import Waiver
 
     if sys.version_info >= (3, 11):
         from builtins import ExceptionGroup

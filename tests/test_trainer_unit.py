@@ -296,3 +296,20 @@ def test_strict_determinism_is_scoped_and_restores_the_mode():
         raise ValueError("the mode is restored on the way out of an error too")
     assert (torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled()) == before
+
+
+def test_data_plane_trainer_fetches_object_columns():
+    """A stage's fetch list names the `<field>.<key>` wire columns of an object field it uses,
+    so media written as per-row dicts are not left behind (the text-only train fetch)."""
+    from types import SimpleNamespace
+
+    from _helpers import qwen as qwen_batch
+
+    from rlconform.reference_impl.trainer import DataPlaneTrainer
+
+    wire = ReferenceCodec().encode(qwen_batch().to_row_dicts())
+    meta = SimpleNamespace(fields=list(wire.columns))
+    for stage in Stage:
+        got = DataPlaneTrainer.stage_fields(None, meta, stage)
+        assert {"multi_modal_inputs.pixel_values", "multi_modal_inputs.image_grid_thw",
+                "input_ids", "position_ids"} <= set(got), (stage, got)

@@ -100,7 +100,7 @@ def test_every_untrusted_input_clause_has_mutants():
 
 @pytest.mark.slow
 def test_untrusted_input_mutants_die_by_clause_assertions(tmp_path):
-    from rlconform.conformance.runner import kill_matrix
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
 
     names = _new_mutants()
     assert len(names) >= 25
@@ -199,7 +199,7 @@ def test_an_unreachable_store_is_one_run_level_error(tmp_path, shared_module):
 
 
 def test_fixture_clean_up_clears_even_after_a_failure():
-    from rlconform.conformance.plugin import clear_written, track_writes
+    from rlconform.conformance.engine.fixtures import clear_written, track_writes
 
     store = InMemoryDataPlane()
     written = track_writes(store)
@@ -221,7 +221,7 @@ def test_fixture_clean_up_clears_even_after_a_failure():
 def test_run_all_exit_code_tells_failed_from_unavailable(monkeypatch, capsys, codes, missing,
                                                          want):
     from rlconform.conformance import backend as backend_mod
-    from rlconform.conformance import runner
+    from rlconform.conformance.engine import runner
 
     def load(name):
         if name in missing:
@@ -259,7 +259,7 @@ def test_progress_lines_and_notes_in_the_terminal(tmp_path, shared_module):
     assert "rlconform: DP-TAGS: test_tags_follow_keys_in_request_order FAILED (1 failed" in text
     assert "\nrlconform: DP-LAYOUT done: 4 tests, 0 failed" in text, text[-3000:]
     # the same backend's note on a capability it leaves out, in the terminal as in the report
-    from rlconform.conformance.plugin import applicability
+    from rlconform.conformance.engine.collection import applicability
 
     sys.path.insert(0, str(Path(shared_module["LEFT_FILE"]).parent))
     try:

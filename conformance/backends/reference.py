@@ -32,22 +32,22 @@ def _batch_ops():
 
 
 def _trainer(*args, **kwargs):
-    from rlconform.conformance.backends.reference_trainer import make_trainer
+    from rlconform.conformance.backends.reference_trainer_rollout import make_trainer
 
     return make_trainer(*args, **kwargs)
 
 
 def _loss_options(config):
-    from rlconform.conformance.backends.reference_trainer import loss_options
+    from rlconform.conformance.backends.reference_trainer_rollout import loss_options
 
     return loss_options(config)
 
 
-_trainer.loss_options = _loss_options  # every point of the GRPO family (reference_trainer.py)
+_trainer.loss_options = _loss_options  # every point of the GRPO family (reference_trainer_rollout.py)
 
 
 def _rollout(*args, **kwargs):
-    from rlconform.conformance.backends.reference_trainer import make_rollout
+    from rlconform.conformance.backends.reference_trainer_rollout import make_rollout
 
     return make_rollout(*args, **kwargs)
 

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from rlconform.conformance.catalogue_trainer import GEN_SIR_TOL, GEN_TMPE_TOL
+from rlconform.conformance.catalogue.generation import GEN_SIR_TOL, GEN_TMPE_TOL
 from rlconform.reference_impl.grpo import dataplane_step
 from rlconform.reference_impl.trainer import TrainerSettings
 

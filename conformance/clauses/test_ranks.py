@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from rlconform.conformance.catalogue_ranks import (
+from rlconform.conformance.catalogue.ranks import (
     RANK_CLEANUP_S,
     RANK_FAILURE_BOUND_S,
     RANK_GRAD_NORM_RTOL,

@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from rlconform.conformance.catalogue_trainer import (
+from rlconform.conformance.catalogue.trainer import (
     FUSED_ATTENTION_MEASURED,
     FUSED_ATTENTION_UPDATE_RTOL,
     RATIO_CANARY_RTOL,
@@ -24,8 +24,8 @@ from rlconform.conformance.catalogue_trainer import (
     TRUNCATION_LOGPROB_TOL,
 )
 from rlconform.conformance.clauses._check import expect_accepted
-from rlconform.conformance.clauses._memory import new_trainer
-from rlconform.conformance.plugin import NA_PREFIX
+from rlconform.conformance.clauses._gc import new_trainer
+from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, legacy_step
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.recording import (

@@ -12,7 +12,7 @@ code both paths share is invisible there. These clauses take their expected valu
 - TRAIN-RATIO-LATER-STEPS: a later optimizer step's ratio against an independent forward of
   the weights the trainer had before that step.
 Each runs at the default point and at the points of the GRPO configuration grid
-(catalogue_trainer.GRID, docs/grpo-configurations.md) the backend declares; every grid case
+(catalogue.trainer.GRID, docs/grpo-configurations.md) the backend declares; every grid case
 first asserts that its input is in the regime where its option changes the answer
 (`assert_regime`), and `objective` writes each point out once, row by row, in float64.
 
@@ -33,7 +33,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from rlconform.conformance.catalogue_trainer import (
+from rlconform.conformance.catalogue.trainer import (
     CLOSED_FORM_LOSS_RTOL,
     CLOSED_FORM_POINTS,
     CLOSED_FORM_RATIOS,
@@ -54,9 +54,9 @@ from rlconform.conformance.catalogue_trainer import (
     UPDATE_RTOL,
     loss_reorder_tol,
 )
-from rlconform.conformance.clauses._memory import new_trainer
+from rlconform.conformance.clauses._gc import new_trainer
 from rlconform.conformance.clauses.test_trainer import GROUP, settings_not_declared
-from rlconform.conformance.plugin import NA_PREFIX
+from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
 from rlconform.reference_impl.loss import LossConfig
 from rlconform.reference_impl.recording import RecordingTransport
@@ -147,7 +147,7 @@ def _wobble(k: int, n: int) -> float:
 
 
 def design(cfg: LossConfig, batch, point: str) -> Design:
-    """The chosen numbers of `point` for `batch` (module docstring; catalogue_trainer.GRID)."""
+    """The chosen numbers of `point` for `batch` (module docstring; catalogue.trainer.GRID)."""
     plen, lens = batch["prompt_lengths"].tolist(), batch["input_lengths"].tolist()
     cycle = CLOSED_FORM_RATIOS if point == "default" else \
         LATER_RATIOS if cfg.optimizer_steps > 1 else GRID_RATIOS

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from rlconform.conformance.clauses._memory import new_trainer
+from rlconform.conformance.clauses._gc import new_trainer
 from rlconform.conformance.clauses.test_trainer import GROUP
 from rlconform.reference_impl.codec import WireBatch
 from rlconform.reference_impl.grpo import mint_keys, put_advantages, write_rollout

@@ -612,7 +612,7 @@ def test_the_suites_clean_up_leaves_the_store_as_found(transport, backend):
     """What a test wrote is cleared even when it fails (the transport fixture's clean-up):
     afterwards every partition it wrote lists nothing, seen by this client and, for a
     multiprocess store, by a second client of the same store."""
-    from rlconform.conformance.plugin import clear_written, track_writes
+    from rlconform.conformance.engine.fixtures import clear_written, track_writes
 
     written = track_writes(transport)
     parts = [_partition("a"), _partition("a:b"), f"{_partition()}/\u00e9"]

@@ -47,7 +47,7 @@ def _backend(core_cls: type = GRPOCore, dataplane_cls: type = DataPlaneTrainer,
 
     _DP.core_cls = core_cls
 
-    from rlconform.conformance.backends.reference_trainer import trainer_factory
+    from rlconform.conformance.backends.reference_trainer_rollout import trainer_factory
 
     parts: dict = {"trainer": trainer_factory(_DP, group_cls)}
     if meta_cls is not None:

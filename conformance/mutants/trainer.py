@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rlconform.conformance.backends.reference_trainer import loss_options
+from rlconform.conformance.backends.reference_trainer_rollout import loss_options
 from rlconform.conformance.mutants import mutant
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.loss import Objective, StepNorm, k3

@@ -11,7 +11,7 @@ from rlconform.reference_impl.trainer import OUTPUT_FIELD, DataPlaneTrainer
 
 def _backend(dataplane_cls: type):
     from rlconform.conformance.backends.reference import build
-    from rlconform.conformance.backends.reference_trainer import trainer_factory
+    from rlconform.conformance.backends.reference_trainer_rollout import trainer_factory
 
     return build(trainer=trainer_factory(dataplane_cls=dataplane_cls))
 

@@ -45,7 +45,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CATEGORIES = ("backend-bug", "unsupported", "future")
-BUNDLED_DIR = Path(__file__).parent / "expectations"
+BUNDLED_DIR = Path(__file__).parents[1] / "expectations"
 REQUIRED_KEYS = ("clause", "category", "reason", "expires")
 SCOPE_KEYS = ("tests", "params", "match")
 OPTIONAL_KEYS = ("link", "function", "input")

@@ -131,7 +131,7 @@ def reservation(ledger: Ledger, gib: float, what: str) -> Iterator[float]:
             raise RuntimeError(
                 f"{what}: waited {WAIT_LIMIT_S:.0f} s for {gib:.0f} GiB of GPU memory "
                 f"(budget {ledger.budget:.0f} GiB, held by others: {ledger.held()}): the "
-                "memory plan (conformance/gpu_memory_plan.json) is wrong for this GPU")
+                "memory plan (conformance/engine/gpu_memory_plan.json) is wrong for this GPU")
         time.sleep(POLL_S)
     try:
         yield time.monotonic() - t0

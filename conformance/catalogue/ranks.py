@@ -1,4 +1,5 @@
-"""Data-parallel rank clauses (`RANK-*`): ranks as processes; catalogue.py joins them.
+"""Data-parallel rank clauses (`RANK-*`): ranks as processes; the catalogue's __init__ joins
+them with the others.
 
 The surface is `transport` with the capability `multiprocess`: what is judged is whether a
 data-parallel step can run with every rank in its own process, reaching the store through a

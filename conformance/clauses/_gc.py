@@ -1,4 +1,5 @@
-"""Trainers built one after another inside a test: the previous one must be gone first."""
+"""Garbage collection before a trainer is built: trainers built one after another inside a test
+must not hold the device's memory together."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ def new_trainer(backend, *args):
     """`backend.trainer(*args)` after collecting the trainers a test has dropped. A trainer
     sits in reference cycles (modules, hooks, optimizer), so dropping it frees nothing until the
     garbage collector runs: at production widths each one holds 20-45 GB of GPU memory (policy,
-    frozen reference, AdamW state), and two workers share one GPU (nightly, 2026-12-03: tests
-    that build two or more trainers ran the GPU out of memory). The freed blocks stay in this
+    frozen reference, AdamW state), and two workers share one GPU (how a production run found
+    it: docs/gpu-runs/2026-12-03-h200-production/README.md, run 5). The freed blocks stay in this
     process's cache for the next trainer; the test's teardown hands them back to the driver."""
     gc.collect()
     return backend.trainer(*args)

@@ -21,7 +21,7 @@ from pathlib import Path
 import _pytest
 import pytest
 
-from rlconform.conformance.waivers import Waiver
+from rlconform.conformance.engine.waivers import Waiver
 
 if sys.version_info < (3, 11):  # pragma: no cover - hypothesis brings the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -31,8 +31,9 @@ PARAMS_PROP = "rlconform_params"
 
 # Where a clause's own checks live: a failure raised from here (an `assert`, an assertion
 # helper, `pytest.fail`, `pytest.raises`' "DID NOT RAISE") is the clause judging the backend.
-CLAUSES_DIR = Path(__file__).resolve().parent / "clauses"
-RLCONFORM_DIR = Path(__file__).resolve().parent.parent
+CONFORMANCE_DIR = Path(__file__).resolve().parents[1]
+CLAUSES_DIR = CONFORMANCE_DIR / "clauses"
+RLCONFORM_DIR = CONFORMANCE_DIR.parent
 # pytest.fail / pytest.raises live in _pytest: their frames are skipped to find the caller
 _PYTEST_DIRS = tuple(str(Path(m.__file__).resolve().parent) for m in (pytest, _pytest))
 

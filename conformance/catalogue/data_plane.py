@@ -1,8 +1,7 @@
-"""The clause catalogue: the one list of clauses that the tests, reports, docs and meta-tests read.
-
-Trainer and rollout clauses live in catalogue_trainer.py beside this file and are joined here;
-nothing else lists clauses.
-"""
+"""Data-plane clauses: the transport, codec, meta and batch_ops surfaces, and the kinds of check
+that hold whatever the operation (inputs intact, no aliasing, merges by value, heterogeneous
+rows, every layout regime, model inputs against the processor). The catalogue's __init__ joins
+them with the others."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from .clause import Clause
 
 B3 = "BACKGROUND.md s3: "
 
-_DATA_PLANE_CLAUSES = [
+DATA_PLANE_CLAUSES: list[Clause] = [
     # -- transport ------------------------------------------------------------------------
     Clause(
         "DP-ROUNDTRIP",
@@ -459,7 +458,7 @@ _DATA_PLANE_CLAUSES = [
 INTACT = ("a caller (the in-memory path, another rank, a retry, the next stage) keeps using "
           "what it handed over; an operation that writes into it changes that caller's data "
           "with no error")
-_REGIME_CLAUSES = [
+REGIME_CLAUSES: list[Clause] = [
     Clause(
         "WIRE-INPUT-INTACT",
         "encode MUST leave the batch it is given bit for bit as it was (every field, packed "
@@ -626,41 +625,3 @@ _REGIME_CLAUSES = [
         capabilities=("batch_union",),
     ),
 ]
-
-
-def _all() -> list[Clause]:
-    from .catalogue_ranks import RANK_CLAUSES
-    from .catalogue_trainer import TRAINER_CLAUSES
-
-    clauses = [*_DATA_PLANE_CLAUSES, *_REGIME_CLAUSES, *TRAINER_CLAUSES, *RANK_CLAUSES]
-    ids = [c.id for c in clauses]
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        raise ValueError(f"clause IDs defined twice: {dup}")
-    return clauses
-
-
-CLAUSES: list[Clause] = _all()
-BY_ID: dict[str, Clause] = {c.id: c for c in CLAUSES}
-
-
-def get(clause_id: str) -> Clause:
-    try:
-        return BY_ID[clause_id]
-    except KeyError:
-        raise KeyError(f"unknown clause {clause_id!r}; known: {', '.join(BY_ID)}") from None
-
-
-def fingerprint() -> str:
-    """A short hash of what a report's verdicts rest on: every clause's definition (ID, MUST,
-    surfaces, capabilities, requiredness, regime) and the test functions tied to it. Reports
-    record it; a committed report whose fingerprint differs from the current one is stale."""
-    import hashlib
-    import json
-
-    from .docs import tests_by_clause
-
-    tests = tests_by_clause()
-    data = [[c.id, c.must, list(c.surfaces), list(c.capabilities), c.required, c.regime,
-             sorted(tests.get(c.id, []))] for c in CLAUSES]
-    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]

@@ -8,7 +8,7 @@ first row of each family. A reader then sees, next to the exact clauses that kil
 whether the numeric gates alone would have caught it: at tiny widths an image-blind train fetch
 moves probs_ratio by a few percent, where the field measured maxima of 216-2661.
 
-    python -m rlconform.e2e.mutant_effects --device cuda --dtype bfloat16 --model-size production \
+    python -m rlconform.conformance.mutants.effects --device cuda --dtype bfloat16 --model-size production \
         --out reports/out/mutant_effects.json
 
 The JSON (and a Markdown table beside it) lands in the report directory; `rlconform run` puts it
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rlconform.conformance.catalogue_trainer import GEN_SIR_TOL, GEN_TMPE_TOL
+from rlconform.conformance.catalogue.generation import GEN_SIR_TOL, GEN_TMPE_TOL
 
 # the numeric gates a trainer or nightly job would apply on these metrics alone (named by
 # their source): probs_ratio with one inner step (BACKGROUND s5: exactly 1; a loose gate would
@@ -84,7 +84,7 @@ def killers_from_run(kill_matrix: Path | None) -> dict[str, dict[str, list[str]]
     `rlconform mutants` (its kills, not the catalogue's claims); None without one."""
     if kill_matrix is None or not Path(kill_matrix).is_file():
         return None
-    from rlconform.conformance.runner import kills_by_family
+    from rlconform.conformance.engine.kill_matrix import kills_by_family
 
     return kills_by_family(json.loads(Path(kill_matrix).read_text()))
 

@@ -7,7 +7,7 @@ so far) and one when every selected test of a clause has reported:
     rlconform: DP-NAMES done: 3 tests, 0 failed  [12/25 clauses, 151/513 tests, 0 failed]
 
 It reads the test reports the controller sees (also under xdist) and the clause of each test
-from its report's properties (set by rlconform.conformance.plugin).
+from its report's properties (set by rlconform.conformance.engine.plugin).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ClauseProgress:
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         if self.total is not None:
             return
-        from rlconform.conformance.docs import tests_by_clause
+        from rlconform.conformance.catalogue.docs import tests_by_clause
 
         by_function: dict[str, list[str]] = {}
         for cid, functions in tests_by_clause().items():

@@ -1,4 +1,10 @@
-"""Run the clause suite against a backend (one pytest session) and the mutant kill matrix."""
+"""The mutant kill matrix: every mutant against the clauses that claim to kill it.
+
+Each mutant runs against exactly the clauses that claim to kill it (catalogue `mutants`),
+whatever their surface; `full=True` runs it against every clause instead. Workers are
+long-lived processes fed one mutant at a time (torch, transformers, the clause modules and
+the families' processors are loaded once per worker: mutant_worker.py), longest mutants first.
+"""
 
 from __future__ import annotations
 
@@ -11,99 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-CLAUSES_PACKAGE = "rlconform.conformance.clauses"
-
-
-def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") -> list[str]:
-    args = ["-p", "rlconform.conformance.plugin", "-p", "rlconform.conformance.progress",
-            "--pyargs", CLAUSES_PACKAGE,
-            "--backend", backend, "-p", "no:cacheprovider", "-o", "addopts=",
-            # libraries' UserWarnings are noise in a conformance run, except PyTorch's
-            # determinism warnings: under warn_only a kernel without a deterministic
-            # implementation says so only there (fused attention's backward did, unseen, on the
-            # 2026-12-03 production run). The ini form, because -W escapes its message regex.
-            "-o", "filterwarnings=ignore::UserWarning\ndefault:.*deterministic:UserWarning"]
-    if workers and workers != "0":
-        # loadgroup: like load, except tests of one xdist group share a worker (on a GPU the
-        # model-building tests form one group: plugin._one_device_group)
-        args += ["-n", workers, "--dist", "loadgroup"]
-    return args + list(extra)
-
-
-def run(backend: str = "reference", extra: list[str] | None = None,
-        workers: str | None = "auto") -> int:
-    """One pytest session in this process; returns its exit code."""
-    from rlconform.conformance.backend import load_backend
-
-    _importable_from_here(backend)
-    b = load_backend(backend)
-    if b.session.__name__ != "_no_session" and workers == "auto":
-        workers = "0"  # a backend with its own cluster runs in one process
-    return int(pytest.main(pytest_args(backend, extra or [], workers)))
-
-
-# exit code of a run whose backend could not be judged because a system it needs is not there
-# (a store that does not answer, a framework that is not installed): sysexits' EX_UNAVAILABLE
-UNAVAILABLE = 69
-
-
-def _importable_from_here(spec: str) -> None:
-    """An out-of-tree backend named by module path (`my_pkg.adapter:backend`) is imported from
-    the current directory too, as `python -m` would: here, and in every process the run starts
-    (xdist workers, rank processes, a second client), through PYTHONPATH."""
-    if ":" not in spec or spec.startswith("mutant:"):
-        return
-    here = os.getcwd()
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
-
-
-def run_all(names: list[str], extra: list[str], workers: str | None) -> int:
-    """Run every backend in `names`, each in its own process. Backends that cannot be loaded
-    (a framework not installed, a checkout not given) are named with the reason and left out;
-    the rest run. Exit 1 when a backend that ran failed; else UNAVAILABLE when one could not
-    be loaded or its store was unreachable; else 0."""
-    from rlconform.conformance.backend import load_backend
-
-    unavailable: dict[str, str] = {}
-    runnable = []
-    for name in names:
-        try:
-            load_backend(name)
-        except Exception as exc:  # noqa: BLE001 - any load failure: the system is not there
-            unavailable[name] = f"{type(exc).__name__}: {exc}"
-        else:
-            runnable.append(name)
-    for name, why in unavailable.items():
-        print(f"rlconform: backend {name} not available, left out: {why}", flush=True)
-    codes = {}
-    for name in runnable:
-        codes[name] = subprocess.call([sys.executable, "-m", "rlconform.conformance.cli", "run",
-                                       "--backend", name, "--workers", workers or "0", *extra])
-    failed = [n for n, c in codes.items() if c not in (0, UNAVAILABLE)]
-    for name, code in codes.items():
-        what = {0: "passed", UNAVAILABLE: "not available (its store did not answer)"}.get(
-            code, "FAILED")
-        if code == UNAVAILABLE:
-            unavailable[name] = "its store did not answer"
-        print(f"{name}: {what} (exit {code})")
-    for name, why in unavailable.items():
-        if name not in codes:
-            print(f"{name}: not available (not run): {why}")
-    if failed:
-        return 1
-    return UNAVAILABLE if unavailable else 0
-
-
-# -- the mutant kill matrix ------------------------------------------------------------------
-# Each mutant runs against exactly the clauses that claim to kill it (catalogue `mutants`),
-# whatever their surface; `full=True` runs it against every clause instead. Workers are
-# long-lived processes fed one mutant at a time (torch, transformers, the clause modules and
-# the families' processors are loaded once per worker), longest mutants first.
 
 SURFACE_COST = {"trainer": 10, "rollout": 10}  # relative cost of a clause run, by surface
 # ... and by capability: a `multiprocess` clause starts rank processes (each imports torch and
@@ -130,152 +43,6 @@ def _cost(clause_ids: list[str], previous: dict[str, float], name: str) -> float
                     *(CAPABILITY_COST.get(cap, 1) for cap in clause.capabilities)])
 
     return float(sum(cost(catalogue.BY_ID[c]) for c in clause_ids) or 1)
-
-
-class _MutantRun:
-    """pytest plugin for one mutant run inside a kill-matrix worker.
-
-    - keeps only the tests tied to `clause_ids` (None: every clause);
-    - once one test of a clause has failed on a clause assertion, the clause has killed the
-      mutant: its remaining tests are skipped (`every_test=False`; a failed clause stays failed
-      whatever they do). A failure by any other exception (a TypeError in the mutant) kills
-      nothing, so the clause's other tests still run. `every_test=True` (`--full`) runs every
-      test, to show which tests can fail;
-    - hypothesis neither shrinks nor explains a failing example (phases explicit, reuse,
-      generate, target): the kill is decided by the first failing example, and a minimal
-      example is of no use here. The examples tried are those of the chosen profile.
-    """
-
-    def __init__(self, clause_ids: list[str] | None, every_test: bool = False):
-        self.clause_ids = None if clause_ids is None else set(clause_ids)
-        self.every_test = every_test
-        self.killed: set[str] = set()
-
-    @staticmethod
-    def _ids(item) -> list[str]:
-        return [i for m in item.iter_markers("clause") for i in m.args]
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_configure(self, config) -> None:
-        from hypothesis import Phase, settings
-
-        settings.register_profile("rlconform-mutant-run", parent=settings.default,
-                                  phases=[Phase.explicit, Phase.reuse, Phase.generate,
-                                          Phase.target])
-        settings.load_profile("rlconform-mutant-run")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, session, config, items) -> None:
-        if self.clause_ids is None:
-            return
-        kept, dropped = [], []
-        for item in items:
-            (kept if set(self._ids(item)) & self.clause_ids else dropped).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item) -> None:
-        ids = set(self._ids(item))
-        if self.clause_ids is not None:
-            ids &= self.clause_ids
-        if ids and ids <= self.killed and not self.every_test:
-            pytest.skip(f"kill matrix: {', '.join(sorted(ids))} already killed this mutant")
-
-    def pytest_runtest_logreport(self, report) -> None:
-        if report.failed:
-            props = dict(report.user_properties)
-            if (props.get("rlconform_verdict") or {}).get("kind") == "assertion":
-                self.killed.update(props.get("rlconform_clauses", ()))
-
-
-def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
-                    extra: list[str], every_test: bool = False) -> int | str:
-    try:
-        return int(pytest.main(pytest_args(f"mutant:{name}", [], None) + [
-            "--report-dir", str(report_dir / "mutants"), "-q", "--no-header",
-            "-p", "no:terminalreporter", "-p", HYPOTHESIS_PLUGIN, *extra],
-            plugins=[_MutantRun(clause_ids, every_test)]))
-    except BaseException as exc:  # noqa: BLE001 - one broken mutant must not stop the rest
-        return f"{type(exc).__name__}: {exc}"
-
-
-# Workers set PYTEST_DISABLE_PLUGIN_AUTOLOAD (scanning every installed distribution for pytest
-# entry points costs ~0.4 s a session) and load the one plugin a mutant run needs by name.
-HYPOTHESIS_PLUGIN = "_hypothesis_pytestplugin"
-
-
-def _warm_up() -> None:
-    """Import what every mutant run needs before the first pytest session. hypothesis is a
-    pytest plugin distribution, so pytest would otherwise assertion-rewrite each of its ~180
-    modules on import (seconds of CPU; nothing caches the result where bytecode writing is
-    off); torch and the catalogue are needed anyway. Clause test modules are imported by the
-    sessions and keep their assertion rewriting."""
-    import _hypothesis_pytestplugin  # noqa: F401
-    import hypothesis  # noqa: F401
-    import torch  # noqa: F401
-
-    import rlconform.conformance.plugin  # noqa: F401
-    from rlconform.conformance.mutants import load_all
-
-    load_all()
-
-
-def write_bytecode() -> list[str]:
-    """Import what the suite's processes import (torch, transformers and every family's model
-    and processor modules, hypothesis, pytest, rlconform's own modules) with bytecode writing
-    on, so that every process started later loads compiled modules, also where
-    PYTHONDONTWRITEBYTECODE is set (it only stops writing). nox installs with `pip
-    --no-compile`, which would otherwise byte-compile all of torch and transformers. Returns
-    the modules that could not be imported (optional dependencies that are not installed)."""
-    import importlib
-    import pkgutil
-
-    sys.dont_write_bytecode = False
-    _warm_up()
-    import rlconform
-    from rlconform.fixtures.families import FAMILY_NAMES, build_family
-
-    missing = []
-    for mod in pkgutil.walk_packages(rlconform.__path__, "rlconform."):
-        if ".clauses" in mod.name or mod.name.endswith("__main__"):
-            continue  # clause modules are pytest's to import (it rewrites their asserts)
-        try:
-            importlib.import_module(mod.name)
-        except Exception:  # noqa: BLE001 - an optional dependency that is not installed
-            missing.append(mod.name)
-    for name in FAMILY_NAMES:
-        build_family(name)
-    return missing
-
-
-def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
-    """Serve mutants from stdin (one JSON `{"name", "clauses"}` a line) until EOF, writing one
-    JSON line per finished mutant to `results_fd`.
-
-    After each mutant the surviving objects (imported modules, the families' processors) are
-    frozen out of the garbage collector: pytest collects garbage at the end of every session,
-    and a full collection over torch and transformers costs ~1 s per mutant on a small box."""
-    import gc
-
-    log = report_dir / "mutants" / "worker.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    _warm_up()
-    gc.collect()
-    gc.freeze()
-    with os.fdopen(results_fd, "w", buffering=1) as results:
-        for line in sys.stdin:
-            job = json.loads(line)
-            t0 = time.time()
-            code = _run_one_mutant(job["name"], job["clauses"], report_dir, extra,
-                                   job.get("every_test", False))
-            with log.open("a") as f:
-                f.write(f"{job['name']}: {code}\n")
-            results.write(json.dumps({"name": job["name"], "code": code,
-                                      "wall_s": round(time.time() - t0, 3)}) + "\n")
-            gc.collect()
-            gc.freeze()
 
 
 def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict:
@@ -323,8 +90,8 @@ class _Worker:
     def __init__(self, report_dir: Path, extra: list[str], env: dict):
         r, w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlconform.conformance.runner", "--report-dir",
-             str(report_dir), "--results-fd", str(w), *extra],
+            [sys.executable, "-m", "rlconform.conformance.engine.mutant_worker",
+             "--report-dir", str(report_dir), "--results-fd", str(w), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(w,), env=env,
             text=True)
         os.close(w)
@@ -384,7 +151,7 @@ def mutant_args_problem(extra: list[str]) -> str | None:
     checked as the plugin checks them) and -k / -m."""
     import argparse
 
-    from rlconform.conformance.plugin import OPTIONS
+    from rlconform.conformance.engine.options import OPTIONS
 
     class _Refuse(Exception):
         pass
@@ -424,7 +191,7 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
-    conformance/verdicts.py failure_kind): a mutant that only makes tests raise other
+    engine/verdicts.py failure_kind): a mutant that only makes tests raise other
     exceptions is not killed.
 
     `on_result(row, done, total, elapsed_s)` is called as each mutant finishes. `surfaces`
@@ -574,23 +341,10 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     return matrix
 
 
-if __name__ == "__main__":  # a kill-matrix worker: runner.py --report-dir D --results-fd N [args]
-    argv = sys.argv[1:]
-
-    def _opt(name: str) -> str:
-        return argv[argv.index(name) + 1]
-
-    out_dir, fd = Path(_opt("--report-dir")), int(_opt("--results-fd"))
-    rest = [a for i, a in enumerate(argv)
-            if a not in ("--report-dir", "--results-fd")
-            and (i == 0 or argv[i - 1] not in ("--report-dir", "--results-fd"))]
-    _mutant_worker(out_dir, rest, fd)
-
-
 def test_kills(rows: list[dict]) -> dict[str, list[str]]:
     """Clause test function (`test_codec.py::test_x`) -> the mutants that fail one of its
     cases on a clause assertion, for every clause test function (from a `--full` matrix)."""
-    from rlconform.conformance.docs import tests_by_clause
+    from rlconform.conformance.catalogue.docs import tests_by_clause
 
     out: dict[str, list[str]] = {t: [] for fns in tests_by_clause().values() for t in fns}
     for r in rows:

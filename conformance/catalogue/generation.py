@@ -1,0 +1,89 @@
+"""Rollout-vs-trainer clauses (`GEN-*`): the engine's generation against the trainer's passes;
+the catalogue's __init__ joins them with the others.
+
+Tolerances are named constants here, each with its source, and the tests read them from here so
+no number is written twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .clause import Clause
+
+B3 = "BACKGROUND.md s3: "
+
+# -- tolerances ---------------------------------------------------------------------------
+# token_mult_prob_error (mean over loss tokens) between the engine's generation logprobs and the
+# trainer's prev logprobs. fp32: KV-cache decode vs full forward differs by ~5e-7 per token
+# (BACKGROUND s7); measured on CPU and on an H200, fp32 and bf16, every family: mean <= 1 + 1.2e-7,
+# per-token max <= 1 + 9.6e-7. 1e-4 is a ~1000x margin that still fails the mildest defect seen
+# (an image-blind prev pass on these tiny random models: 1.024). bf16: the strict field gate
+# (BACKGROUND s4: healthy bf16 engines 1.01-1.05); it does NOT catch that image-blind prev pass
+# on tiny random models (their logits barely depend on the images), which is why the exact
+# field clauses (TRAIN-FIELD-PARITY, GEN-ROLLOUT-FIELDS) exist beside it.
+GEN_TMPE_TOL = {torch.float32: 1.0 + 1e-4, torch.bfloat16: 1.05}
+# sampling_importance_ratio mean must lie in 1 +- this (BACKGROUND s4: ~1 +- 0.02)
+GEN_SIR_TOL = 0.02
+
+GENERATION_CLAUSES: list[Clause] = [
+    Clause(
+        "GEN-LOGPROB-AGREEMENT",
+        "The trainer's prev logprobs MUST agree with the rollout's generation logprobs: "
+        "token_mult_prob_error within the dtype's tolerance and sampling_importance_ratio "
+        "within 1 +- 0.02.",
+        "rollout",
+        B3 + "rollout write silently dropped the jagged packed fields: prev_logprobs "
+        "image-blind, token_mult_prob_error ~176, sampling_importance_ratio ~0.982, "
+        "policy_kl_error ~175, probs_ratio still 1",
+        ("dropped_packed_on_rollout_write", "perturbed_generation_logprobs",
+         "image_blind_logprob_fetch"),
+        regime="not bitwise (KV-cache decode vs full forward): token_mult_prob_error mean <= "
+        f"{GEN_TMPE_TOL[torch.float32]:.4f} fp32 (measured mean <= 1 + 1.2e-7, per-token max <= "
+        "1 + 9.6e-7, CPU and H200), <= "
+        f"{GEN_TMPE_TOL[torch.bfloat16]:g} bf16 (BACKGROUND s4 strict gate); "
+        f"sampling_importance_ratio mean in 1 +- {GEN_SIR_TOL:g} (BACKGROUND s4).",
+    ),
+    Clause(
+        "GEN-ROLLOUT-FIELDS",
+        "The rollout's batch MUST carry every field the processor emitted, each sample's media "
+        "equal to the processor's output for it (floating media cast once to the policy dtype, "
+        "integer geometry never cast) and per-token maps zero over the completion.",
+        "rollout",
+        B3 + "rollout write kept only torch.Tensor values, silently dropping jagged packed "
+        "fields; rollout write dropped the pixel dtype cast (pixel_values fp32 instead of bf16)",
+        ("dropped_packed_on_rollout_write",),
+        regime="exact (field names, dtypes, shapes and values), in every dtype: it does not "
+        "depend on how strongly a tiny random model attends to its images.",
+    ),
+    Clause(
+        "GEN-ORDINARY-TOKENS",
+        "The rollout MUST sample only ordinary tokens (an end-of-turn token only as a "
+        "completion's last token), stop within each row's cap (0: an empty completion) and "
+        "give generation_logprobs exactly on the completion tokens (token_mask), zero on "
+        "prompt and padding.",
+        "rollout",
+        "BACKGROUND.md s7: a random tiny model samples special tokens, including the image "
+        "placeholder, which then breaks the recompute",
+        ("unrestricted_sampling",),
+        regime="exact (token ids and masks).",
+    ),
+    Clause(
+        "GEN-REFIT-SYNC",
+        "After each step's refit of the engine from the trainer's weights, the next step's "
+        "generation logprobs MUST agree with the trainer's prev logprobs within the "
+        "GEN-LOGPROB-AGREEMENT tolerance, step 1 included.",
+        "trainer",
+        B3 + "the data-plane trainer refit the generation engine at step 1 although weights "
+        "were in sync: token_mult_prob_error ~40 at step 1, settling by step 3; an engine "
+        "whose refit never reaches the weights it samples with (or keeps KV computed with the "
+        "old ones) stays on the old policy",
+        ("refit_engine_at_step1", "refit_not_applied"),
+        regime="as GEN-LOGPROB-AGREEMENT, at every one of 3 steps (lr 1e-2 moves the policy "
+        "far beyond the tolerance in one step, so a stale engine cannot pass). The trainer may "
+        "score tokens another way than the engine: TRL 1.16.0's chunked LM head vs the HF "
+        "rollout's log-softmax, fp32, measured token_mult_prob_error mean 1 + 2.0e-7, per-token "
+        "max 1 + 4.8e-7 (TRL's logprobs vs the reference forward: max |diff| 9.5e-7).",
+        also=("rollout",),
+    ),
+]

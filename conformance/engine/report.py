@@ -1,0 +1,97 @@
+"""The end of a run on the controller: the report is built from the run's state and written
+(REPORT_DIR/<backend>/: json, md, html, junit; wandb when asked), the terminal summary is
+printed, and the exit status says whether a clause failed or the run has a problem."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rlconform.conformance.backend import Backend
+from rlconform.conformance.engine.fixtures import STORE_UNREACHABLE_EXIT
+from rlconform.conformance.engine.session import state
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    st = state(config)
+    st.exitstatus = exitstatus
+    from rlconform.conformance.engine.report_builder import build_report
+
+    report = build_report(st, config)
+    report_dir = None
+    if not config.getoption("--no-report"):
+        report_dir = report_folder(config, st.backend)
+        from rlconform.conformance.engine.report_builder import write
+
+        write(report, report_dir)
+        if config.getoption("--wandb"):
+            from rlconform.conformance.engine.wandb_log import log_report
+
+            log_report(report, report_dir)
+    st.report = report
+    from rlconform.reports.model import FAILING
+
+    failing = [c["id"] for c in report["clauses"] if c["status"] in FAILING]
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        _print_summary(tr, report, report_dir)
+    interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR,
+                                 pytest.ExitCode.INTERNAL_ERROR, STORE_UNREACHABLE_EXIT)
+    if interrupted:
+        return
+    collection_failed = session.testsfailed and not st.results
+    session.exitstatus = (pytest.ExitCode.TESTS_FAILED
+                          if failing or report["problems"] or collection_failed
+                          else pytest.ExitCode.OK)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def report_folder(config: pytest.Config, backend: Backend) -> Path:
+    return Path(config.getoption("--report-dir")) / _safe(backend.name)
+
+
+def report_dir_clash(folder: Path, backend: Backend) -> str | None:
+    """Why `backend` must not write into `folder` (it holds another backend's report), or None.
+
+    Two backends with one name would overwrite each other's reports; the report records where
+    its backend was loaded from, and a run from another source refuses the folder."""
+    import json
+
+    path = folder / "report.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    theirs = (old.get("backend_info") or {}).get("source") or ""
+    if theirs and backend.source and theirs != backend.source:
+        return (f"{folder} holds the report of backend {old.get('backend')!r} loaded from "
+                f"{theirs}; this backend ({backend.source}) has the same name. Give it its own "
+                "name, or another --report-dir")
+    return None
+
+
+def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
+    from rlconform.reports._common import headline
+
+    tr.write_sep("=", f"rlconform: {report['backend']}")
+    for c in report["clauses"]:
+        if c["status"] != "passed" or c["message"]:  # a passed clause's note: partial evidence
+            if c["status"] == "not_applicable":
+                continue  # listed once per surface or capability below
+            tr.write_line(f"  {c['status'].upper():19} {c['id']}: {c['message'][:160]}")
+    for e in report.get("not_tested") or ():
+        tr.write_line(f"  NOT TESTED          {e['kind']} {e['name']} ({len(e['clauses'])} "
+                      f"clauses): {e['why'][:120]}")
+    for p in report["problems"]:
+        tr.write_line(f"  PROBLEM             {p}")
+    tr.write_line(f"  {headline(report)}")
+    if report_dir is not None:
+        tr.write_line(f"  report: {report_dir}/report.html (.json, .md, junit.xml)")
