@@ -347,6 +347,7 @@ _DATA_PLANE_CLAUSES = [
         "silently cut, or narrow(): length > size",
         ("truncate_narrows_media", "truncate_misses_per_token_map",
          "truncate_position_ids_on_dim1"),
+        capabilities=("truncation",),
     ),
     Clause(
         "BATCH-PAD",
@@ -356,6 +357,7 @@ _DATA_PLANE_CLAUSES = [
         B3 + "materialize padded every tensor's dim 1 to the token seqlen: pixel_values "
         "inflated ~40x",
         ("pad_media_to_seqlen", "pad_position_ids_on_dim1"),
+        capabilities=("padding",),
     ),
     Clause(
         "BATCH-VALIDATE",
