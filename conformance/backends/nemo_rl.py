@@ -829,7 +829,7 @@ def backend() -> Backend:
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
         batch_ops=NemoRLBatchOps,
-        capabilities=frozenset({"partitions", "bfloat16", "dp"}),
+        capabilities=frozenset({"partitions", "bfloat16", "dp", "truncation", "padding"}),
         notes=dict(NOTES),
         version=_version(),
         expectations=expectations_name(),

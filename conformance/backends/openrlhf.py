@@ -87,11 +87,15 @@ class _OpenRLHF:
         except ImportError as exc:
             raise ImportError(f"{MISSING} ({exc})") from exc
         self.version = getattr(openrlhf, "__version__", None) or _dist_version()
-        self.Experience = experience.Experience
-        self.split_experience_batch = experience.split_experience_batch
-        self.make_experience_batch = experience.make_experience_batch
-        self.balance_experiences = experience.balance_experiences
-        self.merge_mm_train_inputs = vlm_utils.merge_mm_train_inputs
+        self._experience, self._vlm_utils = experience, vlm_utils
+
+    # looked up on OpenRLHF's modules at each call, so the adapter calls whatever those modules
+    # hold (a patched or instrumented function included: tests/_data_path.py counts them)
+    Experience = property(lambda self: self._experience.Experience)
+    split_experience_batch = property(lambda self: self._experience.split_experience_batch)
+    make_experience_batch = property(lambda self: self._experience.make_experience_batch)
+    balance_experiences = property(lambda self: self._experience.balance_experiences)
+    merge_mm_train_inputs = property(lambda self: self._vlm_utils.merge_mm_train_inputs)
 
 
 def _dist_version() -> str:
