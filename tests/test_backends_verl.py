@@ -329,8 +329,9 @@ def test_every_entered_step_of_the_declared_path_is_called(tq_session):
 def test_a_declared_entered_step_the_adapter_never_calls_fails():
     import dataclasses
 
-    from rlconform.conformance.backend import PathStep
     from _data_path import assert_entered
+
+    from rlconform.conformance.backend import PathStep
 
     backend = dataclasses.replace(load_backend("verl"), data_path=(
         PathStep("verl.workers.utils.padding.left_right_2_no_padding", "entered"),))
