@@ -10,7 +10,7 @@ fields become those dicts through `Batch.to_row_dicts` and come back through `fr
 | surface | verl 0.9.1 |
 |---|---|
 | codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length on their sequence dim, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
-| meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is `_balance_batch` (`seqlen_balancing.calculate_workload`, `get_seqlen_balanced_partitions(equal_size=True)`, `KVBatchMeta.reorder`) then verl's dispatch `BatchData(meta).chunk(world)`, which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`BatchData(list).concat()`) |
+| meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is the v1 trainer's own `PPOTrainer._balance_batch` (compiled from trainer_base.py) then the split of the actor's lazy dispatch, `decorator._split_args_kwargs_data_proto` (`BatchData(meta).chunk(world)`), which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`decorator._concat_data_proto_or_future`, `BatchData(list).concat()`) |
 | batch_ops | validate: `DataProto.from_dict` + `check_consistency`; pad_to: `torch_functional.pad_sequence_to_length` on each per-token tensor; multimodal_inputs: `utils.model.extract_multi_modal_inputs` over the media dicts (every stage, as verl's FSDP, Megatron and TorchTitan engines call it); select: `DataProto.select_idxs`; concat: `DataProto.concat`; split: `DataProto` slices; micro_batches: `seqlen_balancing.prepare_dynamic_batch` (`rearrange_micro_batches`) |
 
 Not declared (Backend.notes): transport (verl's data plane is TransferQueue, bundled already),
@@ -83,7 +83,14 @@ DATA_PATH = (
     PathStep("verl.utils.seqlen_balancing.get_seqlen_balanced_partitions", "entered",
              surface="meta"),
     PathStep("transfer_queue.KVBatchMeta.reorder", "entered", surface="meta"),
+    PathStep("verl.single_controller.base.decorator._split_args_kwargs_data_proto", "entered",
+             surface="meta"),
     PathStep("verl.protocol.BatchData.chunk", "entered", surface="meta"),
+    PathStep("verl.single_controller.base.decorator.dispatch_nd_compute", "stubbed",
+             "ray.puts each rank's part to the actor worker group's Ray actors; here each part "
+             "is the rank's meta", "meta"),
+    PathStep("verl.single_controller.base.decorator._concat_data_proto_or_future", "entered",
+             surface="meta"),
     PathStep("verl.protocol.BatchData.concat", "entered", surface="meta"),
     PathStep(f"{_TQ}.trainer_base.PPOTrainer._balance_batch", "entered",
              "run from trainer_base.py itself (its definition compiled from that file, since "
@@ -427,7 +434,9 @@ class VerlBatchMeta:
             raise ValueError("concat needs at least one meta")
         cls = type(metas[0])
         if all(m._rank is not None for m in metas):  # rank shards: verl's collect
-            return cls._wrap(BatchData([m._rank for m in metas]).concat())
+            from verl.single_controller.base.decorator import _concat_data_proto_or_future
+
+            return cls._wrap(_concat_data_proto_or_future([m._rank for m in metas]))
         return cls._wrap(BatchData([m._kv for m in metas]).concat())
 
     def _rebuild(self, fields=None, tags=None) -> VerlBatchMeta:
@@ -456,11 +465,10 @@ class VerlBatchMeta:
 
     def shard_for_dp(self, world: int) -> tuple[list[VerlBatchMeta], list[int]]:
         """verl's v1 trainer `PPOTrainer._balance_batch` (run from its file, `_trainer_method`),
-        then its dispatch `BatchData(meta).chunk(world)`; each shard is the `BatchMeta` one rank
-        receives. The inverse permutation is read from the balanced meta's keys."""
+        then the split of its dispatch, `_split_args_kwargs_data_proto`; each shard is the
+        `BatchMeta` one rank receives. The inverse permutation is read from the balanced keys."""
         import transfer_queue as tq
         from transfer_queue import KVBatchMeta
-        from verl.protocol import BatchData
 
         if world <= 0:
             raise ValueError(f"world size must be positive, got {world}")
@@ -475,9 +483,14 @@ class VerlBatchMeta:
         balanced = _balance_batch(driver, world)
         position = {k: i for i, k in enumerate(kv.keys)}
         order = [position[k] for k in balanced.keys]
+        from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
         client = tq.get_client()
         shards = []
-        for rank_meta in BatchData(balanced).chunk(chunks=world):
+        # the actor's lazy nd dispatch (dispatch_lazy_compute_data_proto ->
+        # dispatch_nd_compute_dataproto) splits the meta with this, then ray.puts each part
+        (rank_metas,), _ = _split_args_kwargs_data_proto(world, balanced)
+        for rank_meta in rank_metas:
             keys = client.kv_retrieve_keys(global_indexes=list(rank_meta.global_indexes),
                                            partition_id=pid)
             view = KVBatchMeta(keys=keys, tags=rank_meta.get_all_custom_meta(),
