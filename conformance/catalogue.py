@@ -239,6 +239,7 @@ _DATA_PLANE_CLAUSES = [
          "list_of_unknown_partition_raises", "zero_size_dims_dropped",
          "views_read_from_storage", "key_lookup_case_insensitive",
          "key_trailing_spaces_ignored", "field_names_nfkc_normalised", "key_seek_by_prefix",
+         "keys_split_into_stem_and_index",
          "underscore_is_a_wildcard", "select_fields_as_globs", "partition_clear_by_regex",
          "keys_half_escaped", "keys_as_normalised_paths", "long_keys_cut_for_the_index",
          "key_and_field_joined"),

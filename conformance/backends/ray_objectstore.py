@@ -99,9 +99,7 @@ class _Index:
 
     def locate(self, partition: str, keys: list[str], fields: list[str]):
         """For each field: its layout, the blocks it needs, and (block index, row) per key."""
-        part = self.parts.get(partition)
-        if part is None:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        part = self.parts.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             return ("error", "KeyError", f"keys {missing[:8]} not in partition {partition!r}")
@@ -129,14 +127,10 @@ class _Index:
         return ("ok", out, refs, [dict(part[k]["tags"]) for k in keys])
 
     def list(self, partition: str):
-        if partition not in self.parts:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
-        return ("ok", list(self.parts[partition]))
+        return ("ok", list(self.parts.get(partition, {})))  # a partition holding no keys: []
 
     def clear(self, partition: str, keys: list[str] | None):
-        part = self.parts.get(partition)
-        if part is None:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        part = self.parts.get(partition, {})
         if keys is None:
             keys = list(part)
             self.layouts.pop(partition, None)
@@ -148,7 +142,7 @@ class _Index:
             for no, _row in part.pop(k)["rows"].values():
                 self._drop_row(no)
         if not part and partition not in self.layouts:
-            del self.parts[partition]
+            self.parts.pop(partition, None)
         return ("ok",)
 
 

@@ -185,9 +185,7 @@ class TransferQueueTransport:
     def list(self, partition: str) -> list[str]:
         check_name("partition", partition)
         info = self._call(self._tq.async_kv_list(partition_id=self._pid(partition)), "kv_list")
-        if self._pid(partition) not in info:
-            raise KeyError(f"partition {partition!r} does not exist")
-        return list(info[self._pid(partition)])
+        return list(info.get(self._pid(partition), []))  # a partition holding no keys: []
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         check_name("partition", partition)

@@ -6,7 +6,6 @@ single-call transport clause.
 
 from __future__ import annotations
 
-import fnmatch
 import posixpath
 import re
 import unicodedata
@@ -285,10 +284,24 @@ def _key_alias(fn):
     return _with(T)()
 
 
-@mutant("key_lookup_case_insensitive", "keys were compared case-insensitively (a case-"
-        "insensitive collation): 'k' and 'K' are one row", "transport")
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+@mutant("key_lookup_case_insensitive", "keys were compared case-insensitively in ASCII (SQLite's "
+        "NOCASE collation): 'k' and 'K' are one row", "transport")
 def _keys_case():
-    return _key_alias(str.casefold)
+    return _key_alias(lambda k: k.translate(_ASCII_LOWER))
+
+
+@mutant("keys_split_into_stem_and_index", "rows were kept by (stem, sample index) parsed from "
+        "the key's trailing digits, no digits read as index 0 (a GRPO group's uid and sample): "
+        "'k' and 'k0' are one row", "transport")
+def _stem_index():
+    def alias(k: str) -> str:
+        stem, digits = re.fullmatch(r"(.*?)(\d*)", k, re.S).groups()
+        return f"{stem}#{int(digits or 0)}"
+
+    return _key_alias(alias)
 
 
 @mutant("key_trailing_spaces_ignored", "key comparison ignored trailing spaces (SQL PAD SPACE: "
@@ -364,16 +377,20 @@ def _fields_nfkc():
     return _with(T)()
 
 
-@mutant("select_fields_as_globs", "get read select_fields as glob patterns and took the first "
-        "stored field matching each: 'f*' returns 'fx' when that field was stored first",
-        "transport")
+@mutant("select_fields_as_globs", "get read select_fields as wildcard patterns ('*' any run, '?' "
+        "one character) and took the first stored field matching each: 'f*' returns 'fx' when "
+        "that field was stored first", "transport")
 def _glob_fields():
+    def matches(stored: str, pattern: str) -> bool:
+        rx = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+        return re.fullmatch(rx, stored, re.S) is not None
+
     class T(InMemoryDataPlane):
         def get(self, partition, keys, select_fields=None):
             if select_fields is None:
                 return super().get(partition, keys, None)
             stored = self._layouts.get(partition, {}) if isinstance(partition, str) else {}
-            found = [next((s for s in stored if fnmatch.fnmatchcase(s, f)), f)
+            found = [next((s for s in stored if matches(s, f)), f)
                      if isinstance(f, str) and f else f for f in select_fields]
             cols, tags = super().get(partition, keys, found)
             return {f: cols[s] for f, s in zip(select_fields, found)}, tags
@@ -410,22 +427,22 @@ def _joined_records():
             super().put(partition, keys, columns, tags)
             for k in keys:
                 for f in columns:
-                    self._flat(partition)[f"{k}:{f}"] = self._rows[partition][k][f]
+                    self._flat(partition)[f"{k}:{f}"] = (k, self._rows[partition][k][f])
 
         def get(self, partition, keys, select_fields=None):
             cols, tags = super().get(partition, keys, select_fields)
             out = {}
             for f, c in cols.items():
-                rows = [self._flat(partition)[f"{k}:{f}"] for k in keys]
+                rows = [self._flat(partition)[f"{k}:{f}"][1] for k in keys]
                 layout = self._layouts[partition][f]
-                out[f] = ObjectColumn(rows) if isinstance(c, ObjectColumn) else \
+                out[f] = ObjectColumn(rows).clone() if isinstance(c, ObjectColumn) else \
                     join_rows(f, layout, rows)
             return out, tags
 
         def clear(self, partition, keys=None):
             super().clear(partition, keys)
             flat = self._flat(partition)
-            for r in [r for r in flat if keys is None or r.split(":", 1)[0] in keys]:
+            for r in [r for r, (k, _) in flat.items() if keys is None or k in keys]:
                 del flat[r]
 
     return _with(T)()
