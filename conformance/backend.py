@@ -29,6 +29,10 @@ CAPABILITIES = {
     "bfloat16": "carries bfloat16 tensors",
     "batch_algebra": "batch_ops select / concat / split of whole batches (media, object rows)",
     "micro_batching": "batch_ops micro_batches: row-recording, optionally shuffled micro-batches",
+    "truncation": "batch_ops truncate: cuts a batch to a sequence length (a framework with no "
+    "such function leaves it out, saying so in notes)",
+    "padding": "batch_ops pad_to: pads a batch to a sequence length (a framework with no such "
+    "function leaves it out, saying so in notes)",
     "batch_union": "batch_ops union: the fields of two batches over the same rows (verl "
     "DataProto.union)",
     "multiprocess": "a transport other processes reopen: transport.address() is picklable and "
@@ -58,6 +62,49 @@ class StoreUnreachable(ConnectionError):
     failing on the same refused connection."""
 
 
+# How a framework function on a backend's data path is reached (PathStep.status).
+PATH_STATUSES = {
+    "entered": "called by the adapter with real inputs; its output is used",
+    "stubbed": "not called: it needs what a CPU test run lacks (a GPU, a cluster, a server); "
+    "the adapter supplies the smallest real stand-in",
+    "rebuilt": "the adapter does the function's work itself instead of calling it",
+}
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """One framework function on a backend's data path, from the rollout's output to the model's
+    forward and the optimizer step, and how the adapter reaches it.
+
+    `function` is the dotted import path (`"verl.protocol.DataProto.from_dict"`): for `entered`
+    steps the adapter's tests patch that name and require a call during the adapter's run, so
+    a declaration cannot drift from the code. `why` is required for `stubbed` and `rebuilt`
+    (what is missing, what stands in); `surface` names the adapter surface that takes the step.
+    """
+
+    function: str
+    status: str
+    why: str = ""
+    surface: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in PATH_STATUSES:
+            raise ValueError(f"path step {self.function!r}: status {self.status!r} is not one of "
+                             f"{sorted(PATH_STATUSES)}")
+        if self.status != "entered" and not self.why.strip():
+            raise ValueError(f"path step {self.function!r} is {self.status}: say why")
+        if self.surface and self.surface not in SURFACES:
+            raise ValueError(f"path step {self.function!r}: surface {self.surface!r} is not one "
+                             f"of {SURFACES}")
+        if "." not in self.function or " " in self.function:
+            raise ValueError(f"path step function {self.function!r} must be a dotted import "
+                             "path (module.attribute)")
+
+    def describe(self) -> dict:
+        return {"function": self.function, "status": self.status, "why": self.why,
+                "surface": self.surface}
+
+
 @contextlib.contextmanager
 def _no_session() -> Iterator[None]:
     yield
@@ -74,7 +121,7 @@ class Backend:
     | `transport` | `()`; with `multiprocess`: `(address=None)`         | an object with `put`, `get`, `list`, `clear`, `close` (ARCHITECTURE.md "Transport surface"); with `multiprocess` also `address()` (picklable), and `factory(address=a)` reopens the same store in another process (reference_impl/ranks.py) |
     | `codec`     | `(pixel_dtype: torch.dtype \| None = None)`         | an object with `encode(Batch) -> WireBatch`, `decode(WireBatch) -> Batch`; `pixel_dtype` casts POLICY media once, at encode |
     | `meta`      | `()`                                                | a *class* with BatchMeta's constructor and algebra (`subset`, `slice`, `concat`, `drop`, `with_fields`, `stamp_tags`, `shard_for_dp`); every method returns that class |
-    | `batch_ops` | `()`                                                | an object with `truncate`, `pad_to`, `validate`, `multimodal_inputs` (reference: `reference_impl.batch.BatchOps`) |
+    | `batch_ops` | `()`                                                | an object with `validate`, `multimodal_inputs`; with `truncation` `truncate`, with `padding` `pad_to` (reference: `reference_impl.batch.BatchOps`) |
     | `trainer`   | `(settings, transport=None, codec=None)`            | the data-plane trainer when `transport` is given, else the in-memory one: `model` (the policy module its passes run and its backward accumulates into; clauses hook its logits and gradients), `compute_logprobs`, `train`, `state_dict` (conformance/backends/reference_trainer_rollout.py); with `ranks=RankLaunch(...)` a rank group (`bind`, `step`, `close`, `pids`): the rank contract in reference_impl/ranks.py |
     | `rollout`   | `(family, settings)`                                | `generate(prompts, images, max_new_tokens, seed) -> Batch` (`max_new_tokens`: an int, or one cap per prompt, 0 allowed; EOS may end a completion early), `refit(state_dict)` |
 
@@ -111,9 +158,22 @@ class Backend:
     # the stem of the bundled waiver file, conformance/expectations/<stem>.toml ("": the name);
     # a backend whose known failures depend on the version it finds picks its file here
     expectations: str = ""
+    # the framework's data path, function by function (PathStep), and per clause ID what the
+    # adapter normalises in the framework's output before the clause judges it
+    data_path: tuple[PathStep, ...] = ()
+    normalisations: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
+        self.data_path = tuple(self.data_path)
+        odd_steps = [s for s in self.data_path if not isinstance(s, PathStep)]
+        if odd_steps:
+            raise TypeError(f"backend {self.name!r}: data_path holds {odd_steps[:2]}, not "
+                            "PathStep objects")
+        twice = sorted({s.function for s in self.data_path
+                        if sum(t.function == s.function for t in self.data_path) > 1})
+        if twice:
+            raise ValueError(f"backend {self.name!r}: data_path names {twice} more than once")
         removed = sorted((self.capabilities | set(self.notes)) & REMOVED_CAPABILITIES.keys())
         if removed:
             raise ValueError(
@@ -169,6 +229,8 @@ class Backend:
             "notes": dict(self.notes),
             "source": self.source,
             **({"version": self.version} if self.version else {}),
+            **({"data_path": [s.describe() for s in self.data_path]} if self.data_path else {}),
+            **({"normalisations": dict(self.normalisations)} if self.normalisations else {}),
         }
 
 

@@ -50,6 +50,21 @@ def not_tested_lines(report: Mapping[str, Any], limit: int = 6) -> list[str]:
     return out
 
 
+def data_path_summary(report: Mapping[str, Any]) -> dict | None:
+    """The backend's declared data path for a report (Backend.data_path): a counts line, the
+    steps (function, status, why) and the adapter's normalisations per clause; None when the
+    backend declares no path."""
+    info = report.get("backend_info") or {}
+    steps = info.get("data_path") or []
+    norms = info.get("normalisations") or {}
+    if not steps and not norms:
+        return None
+    counts = {s: sum(p["status"] == s for p in steps) for s in ("entered", "stubbed", "rebuilt")}
+    return {"counts": " · ".join(f"{n} {s}" for s, n in counts.items()),
+            "steps": [(p["function"], p["status"], p.get("why") or "") for p in steps],
+            "normalisations": sorted(norms.items())}
+
+
 def fmt_num(value: Any) -> str:
     if value is None:
         return "—"

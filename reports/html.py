@@ -18,6 +18,7 @@ from typing import Any
 from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
+    data_path_summary,
     family_matrix,
     first_line,
     flatten,
@@ -377,6 +378,7 @@ def render_html(report: Mapping[str, Any]) -> str:
         "problems": report.get("problems") or [],
         "deselected": report.get("deselected") or [],
         "not_tested": not_tested_lines(report),
+        "data_path": data_path_summary(report),
         "effects": None if not (report.get("mutant_effects") or {}).get("rows") else {
             "caption": mutant_effect_caption(report["mutant_effects"]),
             "header": EFFECT_HEADER, "rows": mutant_effect_rows(report["mutant_effects"])},

@@ -14,6 +14,7 @@ from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
     STATUS_MARK,
+    data_path_summary,
     family_matrix,
     flatten,
     fmt_duration,
@@ -147,6 +148,18 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("### Not tested (not applicable to this backend)")
         lines.extend(f"- {escape(n)}" for n in untested)
         lines.append("")
+    path = data_path_summary(report)
+    if path:
+        lines.append(f"### Framework data path ({path['counts']})")
+        lines.append("")
+        if path["steps"]:
+            lines.extend(_table(["Function", "Status", "Why"],
+                                [[_code(f), s, escape(w, NOTE_LIMIT)] for f, s, w in path["steps"]]))
+            lines.append("")
+        for cid, text in path["normalisations"]:
+            lines.append(f"- adapter normalisation, {escape(cid)}: {escape(text)}")
+        if path["normalisations"]:
+            lines.append("")
     if report.get("deselected"):
         lines.append("### Not run in this report")
         lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")

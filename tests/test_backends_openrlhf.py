@@ -66,7 +66,8 @@ def test_backend_declares_what_it_wraps_and_why_not_the_rest():
     assert backend.surfaces == ("batch_ops",)
     assert {"batch_algebra", "micro_batching"} <= backend.capabilities
     # the surfaces it leaves out and the one capability of its surface it cannot declare
-    assert set(backend.notes) == {"transport", "codec", "meta", "trainer", "rollout", "batch_union"}
+    assert set(backend.notes) == {"transport", "codec", "meta", "trainer", "rollout", "batch_union",
+                                  "truncation", "padding"}
     assert "OpenRLHF 0.11.2" in backend.description
     reqs = requirements("openrlhf")
     assert "--no-deps openrlhf==0.11.2" in reqs and "pylatexenc" in reqs
@@ -142,13 +143,13 @@ def test_validate_is_split_experience_batchs_row_check():
         ops.validate(batch.replace(mm_token_type_ids=batch["mm_token_type_ids"][:-1]))
 
 
-def test_truncate_and_pad_say_openrlhf_has_none():
-    ops = adapter.OpenRLHFBatchOps()
-    batch = build_batch("qwen2_vl", default_plan("qwen2_vl"))
-    with pytest.raises(adapter.OpenRLHFHasNone, match="no batch truncation"):
-        ops.truncate(batch, 3)
-    with pytest.raises(adapter.OpenRLHFHasNone, match="longest row"):
-        ops.pad_to(batch, 30)
+def test_truncation_and_padding_are_declared_missing_with_the_reason():
+    backend = adapter.backend()
+    assert not {"truncation", "padding"} & backend.capabilities
+    assert "no batch truncation" in backend.notes["truncation"]
+    assert "longest row" in backend.notes["padding"]
+    assert not hasattr(adapter.OpenRLHFBatchOps, "truncate")
+    assert not hasattr(adapter.OpenRLHFBatchOps, "pad_to")
 
 
 # -- what holds in OpenRLHF -----------------------------------------------------------------------
@@ -263,3 +264,17 @@ def test_validate_rejects_a_short_per_token_field():
     batch = build_batch("qwen2_vl", [RowPlan(4, images=[1]), RowPlan(3)])
     with pytest.raises(ValueError):
         ops.validate(batch.replace(mm_token_type_ids=batch["mm_token_type_ids"][:, :-1]))
+
+
+def test_every_entered_step_of_the_declared_path_is_called():
+    from _data_path import assert_entered
+
+    def run():
+        ops = adapter.OpenRLHFBatchOps()
+        batch = build_batch("qwen2_vl", default_plan("qwen2_vl") * 2)
+        ops.validate(batch)
+        ops.multimodal_inputs(batch, Stage.TRAIN)
+        ops.select(batch, [2, 0])
+        ops.micro_batches(batch, 2)
+
+    assert_entered(load_backend("openrlhf"), run)

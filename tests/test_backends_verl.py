@@ -43,7 +43,9 @@ def _media(n_rows: int) -> np.ndarray:
 def test_backend_declares_what_it_wraps_and_why_not_the_rest():
     backend = load_backend("verl")
     assert backend.surfaces == ("codec", "meta", "batch_ops")
-    assert set(backend.notes) == {"transport", "trainer", "rollout"}
+    assert set(backend.notes) == {"transport", "trainer", "rollout", "truncation"}
+    assert "truncation" not in backend.capabilities and "padding" in backend.capabilities
+    assert not hasattr(adapter.VerlBatchOps, "truncate"), "verl has none: declared missing"
     assert backend.describe()["notes"] == backend.notes
     reqs = requirements("verl")
     assert "--no-deps verl==0.9.1" in reqs and "tensordict==0.10.0" in reqs
@@ -277,3 +279,92 @@ def test_collect_keeps_each_rows_tag(tq_session):
     shards, inverse = m.shard_for_dp(2)
     back = adapter.VerlBatchMeta.concat(shards).subset(inverse)
     assert back.tags == m.tags, f"collected tags {back.tags}"
+
+
+# -- the declared data path is the path the adapter takes ---------------------------------------------
+def _from_source(counts):
+    """Count the trainer methods the adapter compiles from verl's trainer_base.py (that module
+    does not import without the GPU worker stack)."""
+    from unittest import mock
+
+    real = adapter._trainer_method
+
+    def counted(name, namespace):
+        fn = real(name, namespace)
+        key = f"verl.trainer.ppo.v1.trainer_base.PPOTrainer.{name}"
+
+        def run(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    return mock.patch.object(adapter, "_trainer_method", counted)
+
+
+def _run_every_surface():
+    batch = build_batch("qwen2_5_vl", default_plan("qwen2_5_vl") * 2)
+    codec = adapter.VerlCodec()
+    assert batch.first_difference(codec.decode(codec.encode(batch))) is None
+    ops = adapter.VerlBatchOps()
+    ops.validate(batch)
+    ops.pad_to(batch, batch.seq_len() + 2)
+    ops.multimodal_inputs(batch, "train")
+    ops.select(batch, [1, 0])
+    ops.concat(ops.split(batch, [3, 5]))
+    text = build_batch("qwen2_vl", [RowPlan(4), RowPlan(6)])  # media rows hit verl's _deep_equal
+    ops.union(text, text.select([0, 1]))
+    ops.micro_batches(batch, 2)
+    shards, inverse = _meta(4).shard_for_dp(2)
+    adapter.VerlBatchMeta.concat(shards).subset(inverse)
+
+
+def test_every_entered_step_of_the_declared_path_is_called(tq_session):
+    from _data_path import assert_entered
+
+    counts = assert_entered(load_backend("verl"), _run_every_surface, _from_source)
+    assert counts["verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch"] == 1
+
+
+def test_a_declared_entered_step_the_adapter_never_calls_fails():
+    import dataclasses
+
+    from _data_path import assert_entered
+
+    from rlconform.conformance.backend import PathStep
+
+    backend = dataclasses.replace(load_backend("verl"), data_path=(
+        PathStep("verl.workers.utils.padding.left_right_2_no_padding", "entered"),))
+    with pytest.raises(AssertionError, match="left_right_2_no_padding"):
+        assert_entered(backend, lambda: adapter.VerlBatchOps().validate(
+            build_batch("qwen2_vl", default_plan("qwen2_vl"))))
+
+
+def test_balance_batch_is_verls_own():
+    """The balancing runs trainer_base.py's `_balance_batch`: the same partitions as verl's
+    `get_seqlen_balanced_partitions(equal_size=True)` over the tags' seq_len workloads."""
+    from transfer_queue import KVBatchMeta
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+
+    lens = [3, 9, 4, 8, 5, 7]
+    meta = KVBatchMeta(keys=[f"k{i}" for i in range(6)], tags=[{"seq_len": n} for n in lens],
+                       partition_id="p", fields=["input_ids"], extra_info={})
+    out = adapter._balance_batch(meta, 3)
+    parts = get_seqlen_balanced_partitions(calculate_workload(torch.tensor(lens)).tolist(),
+                                           k_partitions=3, equal_size=True)
+    assert out.keys == [f"k{j}" for p in parts for j in p]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="DataProto.from_dict builds a "
+                   "non-tensor column with np.array(rows, dtype=object): rows that are tensors "
+                   "of one shape are unpacked into a 2-D array of scalars, so row i is no "
+                   "longer the tensor the caller gave (docs/upstream/verl-from-dict-tensor-rows.py)")
+def test_from_dict_keeps_tensor_rows():
+    from verl.protocol import DataProto
+
+    rows = [torch.arange(3), torch.arange(3) + 10]
+    p = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, 3, dtype=torch.long)},
+                            non_tensors={"routed": rows})
+    col = p.non_tensor_batch["routed"]
+    assert col.shape == (2,) and all(isinstance(r, torch.Tensor) for r in col), \
+        f"column of shape {col.shape}, row 0 a {type(col[0]).__name__}"

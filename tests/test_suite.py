@@ -258,7 +258,7 @@ class Ops:
     def __getattr__(self, name):
         raise NotImplementedError(f"BatchOps.{name} is not wrapped")
 
-backend = Backend(name="half-done", batch_ops=Ops)
+backend = Backend(name="half-done", batch_ops=Ops, capabilities={"truncation"})
 '''
 
 
@@ -466,7 +466,7 @@ def test_a_not_implemented_answer_of_the_system_is_a_result_not_a_stub(tmp_path)
             def truncate(self, batch, n):
                 return the_system.truncate(batch, n)
 
-        backend = Backend(name="system", batch_ops=Ops)
+        backend = Backend(name="system", batch_ops=Ops, capabilities={"truncation"})
     '''))
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code, report, out = run_suite(tmp_path, "system_adapter:backend", "--surfaces", "batch_ops",

@@ -72,7 +72,40 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, PathStep
+
+# NeMo-RL's data path from the rollout's message logs to the policy worker's model inputs, as
+# this adapter takes it (docs/backends.md renders it; tests/test_backends_nemo_rl.py checks that
+# every entered step is called)
+_NR = "nemo_rl"
+DATA_PATH = (
+    PathStep(f"{_NR}.experience.sync_rollout_actor.SyncRolloutActor.rollout_to_tq", "stubbed",
+             "a Ray actor method that first runs generation and the environments (vLLM, reward "
+             "workers); the adapter reads its media step from the method's source (ast) and "
+             "takes that step with NeMo-RL's functions", "codec"),
+    PathStep(f"{_NR}.data.llm_message_utils.batched_message_log_to_flat_message", "entered",
+             surface="codec"),
+    PathStep(f"{_NR}.distributed.batched_data_dict.BatchedDataDict.get_multimodal_dict",
+             "entered", surface="codec"),
+    PathStep(f"{_NR}.data_plane.column_io.kv_first_write", "entered", surface="codec"),
+    PathStep(f"{_NR}.data_plane.column_io.read_columns", "entered", surface="batch_ops"),
+    PathStep(f"{_NR}.data_plane.adapters.noop.NoOpDataPlaneClient.put_samples", "entered",
+             surface="transport"),
+    PathStep(f"{_NR}.data_plane.adapters.noop.NoOpDataPlaneClient.get_samples", "entered",
+             surface="transport"),
+    PathStep(f"{_NR}.data_plane.preshard.shard_meta_for_dp", "entered", surface="meta"),
+    PathStep(f"{_NR}.distributed.batched_data_dict.BatchedDataDict.truncate_tensors",
+             "entered", surface="batch_ops"),
+    PathStep(f"{_NR}.models.policy.tq_policy.TQPolicy._present_multimodal_fields", "stubbed",
+             "tq_policy imports the GPU policy stack (vLLM worker, pynvml, Ray actors): its "
+             "definition and the registries it reads are compiled from that file and run",
+             "batch_ops"),
+    PathStep(f"{_NR}.data_plane.codec.materialize", "entered", surface="batch_ops"),
+    PathStep(f"{_NR}.models.automodel.data.check_sequence_dim", "entered", surface="batch_ops"),
+    PathStep(f"{_NR}.models.policy.tq_policy.TQPolicy.train_from_meta", "stubbed",
+             "the policy workers' forward and optimizer step need GPUs and a distributed launch "
+             "(no trainer surface)"),
+)
 
 MISSING = ("nemo-rl: cannot import nemo_rl: put a NeMo-RL checkout on PYTHONPATH "
            "(PYTHONPATH=/path/to/RL, or NEMO_RL_SRC=/path/to/RL) or pip install -e it")
@@ -796,8 +829,9 @@ def backend() -> Backend:
         codec=NemoRLCodec,
         meta=lambda: NemoRLMeta,
         batch_ops=NemoRLBatchOps,
-        capabilities=frozenset({"partitions", "bfloat16", "dp"}),
+        capabilities=frozenset({"partitions", "bfloat16", "dp", "truncation", "padding"}),
         notes=dict(NOTES),
         version=_version(),
         expectations=expectations_name(),
+        data_path=DATA_PATH,
     )

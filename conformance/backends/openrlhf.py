@@ -30,7 +30,7 @@ list of equal-shape rows back into one tensor and raises naming the field otherw
 | batch_ops.micro_batches | no seed: `balance_experiences` with n effective ranks (the dynamic-batch path, which does not shuffle); a seed: the trainer's loader, `DataLoader(items, batch_size=ceil(B/n), shuffle=True, drop_last=True, collate_fn=make_experience_batch)` as `PPOActor.ppo_train` builds it |
 | batch_ops.multimodal_inputs | `utils.vlm_utils.merge_mm_train_inputs`: logprob and reference stages as `RemoteExperienceMaker.make_experience` passes them (a list of the experiences' lists), train as `ActorPPOTrainer.training_step` (the experience's list) |
 | batch_ops.validate | `split_experience_batch`'s checks (every tensor and info entry has a row per sample) |
-| batch_ops.truncate, pad_to | none: raise (see NOTES) |
+| batch_ops.truncate, pad_to | none: capabilities `truncation` and `padding` left out (NOTES says why) |
 
 The row index each micro-batch holds is read from an adapter key in `info` (OpenRLHF's own
 `Experience.index` is cleared by `split_experience_batch`).
@@ -43,7 +43,27 @@ import types
 
 import torch
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, PathStep
+
+_EXP = "openrlhf.trainer.ppo_utils.experience"
+# OpenRLHF's data path from the rollout's Experience to the actor's forward, as this adapter takes
+# it (docs/backends.md renders it; tests/test_backends_openrlhf.py checks the entered steps)
+DATA_PATH = (
+    PathStep("openrlhf.trainer.ray.vllm_engine.LLMRayActor.generate", "stubbed",
+             "OpenRLHF generates with vLLM engines in Ray GPU actors (no rollout surface)"),
+    PathStep("openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator."
+             "_process_response_into_experience", "stubbed",
+             "the module imports vLLM; the adapter builds one single-sample Experience per row "
+             "with the processor's media dict, the form that method returns", "batch_ops"),
+    PathStep(f"{_EXP}.Experience.concat_experiences", "entered", surface="batch_ops"),
+    PathStep(f"{_EXP}.split_experience_batch", "entered", surface="batch_ops"),
+    PathStep(f"{_EXP}.make_experience_batch", "entered", surface="batch_ops"),
+    PathStep(f"{_EXP}.balance_experiences", "entered", surface="batch_ops"),
+    PathStep("openrlhf.utils.vlm_utils.merge_mm_train_inputs", "entered", surface="batch_ops"),
+    PathStep("openrlhf.models.actor.Actor.forward", "stubbed",
+             "imports deepspeed and flash-attn; the trainers need Ray GPU actors (no trainer "
+             "surface)"),
+)
 
 MEDIA = "mm_train_inputs"  # Experience's per-sample media list
 ROW = "__rlconform_row__"  # info key: the original row index (micro_batches)
@@ -67,11 +87,15 @@ class _OpenRLHF:
         except ImportError as exc:
             raise ImportError(f"{MISSING} ({exc})") from exc
         self.version = getattr(openrlhf, "__version__", None) or _dist_version()
-        self.Experience = experience.Experience
-        self.split_experience_batch = experience.split_experience_batch
-        self.make_experience_batch = experience.make_experience_batch
-        self.balance_experiences = experience.balance_experiences
-        self.merge_mm_train_inputs = vlm_utils.merge_mm_train_inputs
+        self._experience, self._vlm_utils = experience, vlm_utils
+
+    # looked up on OpenRLHF's modules at each call, so the adapter calls whatever those modules
+    # hold (a patched or instrumented function included: tests/_data_path.py counts them)
+    Experience = property(lambda self: self._experience.Experience)
+    split_experience_batch = property(lambda self: self._experience.split_experience_batch)
+    make_experience_batch = property(lambda self: self._experience.make_experience_batch)
+    balance_experiences = property(lambda self: self._experience.balance_experiences)
+    merge_mm_train_inputs = property(lambda self: self._vlm_utils.merge_mm_train_inputs)
 
 
 def _dist_version() -> str:
@@ -92,11 +116,6 @@ def orl() -> _OpenRLHF:
         _ORL = _OpenRLHF()
     return _ORL
 
-
-
-class OpenRLHFHasNone(RuntimeError):
-    """OpenRLHF has no function for this batch operation (an "unsupported" waiver covers it);
-    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
 
 # -- rlconform Batch <-> OpenRLHF Experience ------------------------------------------------------
 def _form(batch) -> dict:
@@ -259,18 +278,6 @@ class OpenRLHFBatchOps:
     def __init__(self) -> None:
         self._o = orl()
 
-    def truncate(self, batch, max_len: int):
-        raise OpenRLHFHasNone(
-            "OpenRLHF 0.11.2 has no batch truncation: the rollout cuts each response to max_len "
-            "once, as it becomes an Experience (SamplesGenerator._process_response_into_experience, "
-            "which imports vLLM); no function narrows a batch")
-
-    def pad_to(self, batch, seq_len: int):
-        raise OpenRLHFHasNone(
-            "OpenRLHF 0.11.2 pads only to the longest row of the tensors it joins "
-            "(utils.zero_pad_sequences inside make_experience_batch / concat_experiences); no "
-            "function pads a batch to a given length")
-
     def validate(self, batch) -> None:
         """OpenRLHF's only batch check: `split_experience_batch` raises when a tensor or an info
         entry does not have a row per sample."""
@@ -357,6 +364,13 @@ NOTES = {
     "trainer": "OpenRLHF's actor (models/actor.py) imports deepspeed and flash-attn and its "
                "trainers need Ray GPU actors; not run here",
     "rollout": "OpenRLHF generates with vLLM engines (trainer/ray/vllm_engine.py); not run here",
+    "truncation": "OpenRLHF 0.11.2 has no batch truncation: the rollout cuts each response to "
+                  "max_len once, as it becomes an Experience (SamplesGenerator."
+                  "_process_response_into_experience, which imports vLLM); no function narrows "
+                  "a batch",
+    "padding": "OpenRLHF 0.11.2 pads only to the longest row of the tensors it joins "
+               "(utils.zero_pad_sequences inside make_experience_batch / concat_experiences); no "
+               "function pads a batch to a given length",
     "batch_union": "Experience has no union of two batches over the same samples: "
                    "make_experience assigns each computed field (action_log_probs, values, ...) "
                    "onto the rollout's own Experience objects",
@@ -375,4 +389,5 @@ def backend() -> Backend:
         capabilities=frozenset({"bfloat16", "batch_algebra", "micro_batching"}),
         notes=dict(NOTES),
         version=f"OpenRLHF {o.version}",
+        data_path=DATA_PATH,
     )

@@ -82,7 +82,7 @@ def build(name: str = "reference", description: str = "", **overrides) -> Backen
 SURFACE_CAPABILITIES = {
     "transport": frozenset({"object_columns", "partitions", "multiprocess"}),
     "meta": frozenset({"dp"}),
-    "batch_ops": frozenset({"batch_algebra", "micro_batching"}),
+    "batch_ops": frozenset({"batch_algebra", "micro_batching", "truncation", "padding"}),
 }
 
 

@@ -55,7 +55,31 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from rlconform.conformance.backend import Backend, package_version
+from rlconform.conformance.backend import Backend, PathStep, package_version
+
+_GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
+# TRL's path from the generation batch to the optimizer step, as this adapter takes it (read
+# from the code below; docs/backends.md renders it)
+DATA_PATH = (
+    PathStep(f"{_GRPO}._generate_and_score_completions", "rebuilt",
+             "the adapter builds the generation batch itself (trl_inputs) and `_Watch` replaces "
+             "this method: TRL builds the batch only from raw prompts it generates for", "trainer"),
+    PathStep(f"{_GRPO}._get_per_token_logps_and_entropies", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}.training_step", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}._prepare_inputs", "entered", surface="trainer"),
+    PathStep("trl.trainer.utils.split_tensor_dict", "entered", surface="trainer"),
+    PathStep("trl.trainer.utils.shuffle_sequence_dict", "entered", surface="trainer"),
+    PathStep("trl.trainer.utils.split_pixel_values_by_grid", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}._compute_loss", "entered", surface="trainer"),
+    PathStep("transformers.Trainer.create_optimizer", "entered", surface="trainer"),
+    PathStep("accelerate.Accelerator.clip_grad_norm_", "entered", surface="trainer"),
+    PathStep("transformers.Trainer._inner_training_loop", "rebuilt",
+             "the adapter calls clip_grad_norm_ and the optimizer step at the end of an "
+             "accumulation window itself, as this loop does (no public function)", "trainer"),
+    PathStep("accelerate.Accelerator.prepare", "rebuilt",
+             "data-parallel ranks are emulated in one process (a buffer and step counter per "
+             "rank, the backward scaled by 1/world), not run as accelerate ranks", "trainer"),
+)
 
 TRL_VERSION = "1.16.0"
 REQUIREMENTS = (f"trl=={TRL_VERSION}",)
@@ -816,6 +840,7 @@ def _backend(variant: str) -> Backend:
         trainer=trainer,
         notes=dict(_NOTES),
         version=package_version("trl", "TRL"),
+        data_path=DATA_PATH,
     )
 
 

