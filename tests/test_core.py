@@ -783,8 +783,7 @@ class TestCodecBadInput:
             strided = torch.nested.nested_tensor(rows)
         with pytest.raises(TypeError, match="column 'pixel_values' is a strided nested tensor"):
             dp.put("p", keys, {"pixel_values": strided})
-        with pytest.raises(KeyError):
-            dp.list("p")  # nothing was stored
+        assert dp.list("p") == []  # nothing was stored
 
     def test_decode_zero_tags(self):
         with pytest.raises(ValueError, match="empty wire batch"):
@@ -947,8 +946,8 @@ class TestInMemoryDataPlane:
         with pytest.raises(KeyError, match="cannot clear keys \\['zz'\\]"):
             dp.clear("p", ["zz"])
         dp.clear("p")
-        with pytest.raises(KeyError, match="partition 'p' does not exist"):
-            dp.list("p")
+        assert dp.list("p") == []  # a partition holding no keys lists []
+        dp.clear("p")  # clearing it again: it holds nothing, as clear leaves it
         dp.close()
         for call in (lambda: dp.put("p", ["a"], {"scalar": torch.ones(1)}),
                      lambda: dp.get("p", ["a"], ["scalar"]),
@@ -1085,8 +1084,7 @@ class TestInMemoryDataPlane:
         dp = InMemoryDataPlane()
         with pytest.raises(ValueError, match=f"column 'bad' has {col.size(0)} rows for 3 keys"):
             dp.put("p", KEYS, {"ok": torch.zeros(3), "bad": col})
-        with pytest.raises(KeyError):
-            dp.list("p")
+        assert dp.list("p") == []
 
     def test_put_argument_errors(self):
         dp = InMemoryDataPlane()
