@@ -73,15 +73,13 @@ class BytesTransport:
     def get(self, partition, keys, select_fields):
         check_name("partition", partition)
         keys = [check_name("key", k) for k in keys]
-        if partition not in self._rows:
-            raise KeyError(f"partition {partition!r} does not exist")
-        part = self._rows[partition]
+        part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             raise KeyError(f"keys {missing} not in partition {partition!r}")
         out = {}
         for name in select_fields:
-            if name not in self._layouts[partition] or any(name not in part[k] for k in keys):
+            if name not in self._layouts.get(partition, {}) or any(name not in part[k] for k in keys):
                 raise KeyError(f"field {name!r} missing in partition {partition!r}")
             jagged, dtype, trailing = self._layouts[partition][name]
             rows = [_load(part[k][name]) for k in keys]
@@ -103,7 +101,11 @@ class BytesTransport:
             for d in (self._rows, self._tags, self._layouts):
                 d.pop(partition, None)
             return
-        for k in check_names("key", keys):
+        keys = check_names("key", keys)
+        missing = [k for k in keys if k not in self._rows.get(partition, {})]
+        if missing:  # check before removing anything: a refused clear removes nothing
+            raise KeyError(f"cannot clear keys {missing}: not in partition {partition!r}")
+        for k in keys:
             self._rows[partition].pop(k)
             self._tags[partition].pop(k, None)
 

@@ -207,8 +207,6 @@ class RedisTransport:
 
     def _layouts(self, partition: str) -> dict[str, dict]:
         raw = self.r.hgetall(self._k("layout", partition))
-        if not raw:
-            raise KeyError(f"partition {partition!r} does not exist")
         return {n.decode(): json.loads(v) for n, v in raw.items() if n}
 
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
@@ -241,12 +239,7 @@ class RedisTransport:
 
     def list(self, partition: str) -> list[str]:
         check_name("partition", partition)
-        pipe = self.r.pipeline()
-        pipe.smembers(self._k("keys", partition))
-        pipe.exists(self._k("layout", partition))
-        members, exists = pipe.execute()
-        if not exists:
-            raise KeyError(f"partition {partition!r} does not exist")
+        members = self.r.smembers(self._k("keys", partition))  # none held: []
         return [unquote(m.decode()) for m in members]
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:

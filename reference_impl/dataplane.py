@@ -355,7 +355,8 @@ def _contiguous_span(rows: list[Tensor]) -> Tensor | None:
         return None
     n = (end - first.data_ptr()) // step
     flat = torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (n,))
-    return flat.view(-1, *first.shape[1:]).clone()
+    # the row count said outright: with a zero-size trailing dim, -1 would be ambiguous
+    return flat.view(sum(int(r.shape[0]) for r in rows), *first.shape[1:]).clone()
 
 
 def join_rows(name: str, layout: Layout, rows: list[Tensor]) -> Tensor:
@@ -442,13 +443,13 @@ class InMemoryDataPlane:
         check_name("partition", partition)
         keys = [check_name("key", k) for k in keys]
         select_fields = [check_name("field", f) for f in select_fields]
-        part = self._partition(partition)
+        part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             raise KeyError(f"keys {missing[:8]} not in partition {partition!r}")
         out: dict[str, Tensor] = {}
         for name in select_fields:
-            layout = self._layouts[partition].get(name)
+            layout = self._layouts.get(partition, {}).get(name)
             lacking = [k for k in keys if name not in part[k]]
             if layout is None or lacking:
                 raise KeyError(f"field {name!r} missing for keys {lacking[:8] or list(keys)[:8]} "
@@ -456,7 +457,7 @@ class InMemoryDataPlane:
             rows = [part[k][name] for k in keys]
             out[name] = (ObjectColumn(rows).clone() if layout.kind == OBJECT
                          else join_rows(name, layout, rows))
-        tags = copy_tags([self._tags[partition][k] for k in keys])
+        tags = copy_tags([self._tags[partition][k] for k in keys]) if keys else []
         return out, tags
 
     def _partition(self, partition: str) -> dict:
@@ -469,7 +470,7 @@ class InMemoryDataPlane:
     def list(self, partition: str) -> list[str]:
         self._check_open()
         check_name("partition", partition)
-        return list(self._partition(partition))
+        return list(self._rows.get(partition, {}))  # a partition holding no keys lists []
 
     def fields(self, partition: str) -> list[str]:
         self._check_open()
@@ -481,11 +482,11 @@ class InMemoryDataPlane:
         check_name("partition", partition)
         if keys is not None:
             keys = check_names("key", keys)
-        part = self._partition(partition)
-        if keys is None:
+        if keys is None:  # the partition then holds nothing, whatever it held (nothing too)
             for d in (self._rows, self._tags, self._layouts):
                 d.pop(partition, None)
             return
+        part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             raise KeyError(f"cannot clear keys {missing[:8]}: not in partition {partition!r}")

@@ -53,7 +53,11 @@ class StoreAddress:
 
 # -- columns as bytes -------------------------------------------------------------------------
 def _raw(t: Tensor) -> bytes:
-    t = t.detach().cpu().contiguous().reshape(-1)
+    t = t.detach().cpu().reshape(-1)
+    if t.numel() and t.stride(0) != 1:
+        # a one-element view with a stride (a row of `x[::2]`) counts as contiguous, so
+        # `.contiguous()` keeps its stride, and viewing it as bytes then fails
+        t = t.clone()
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

@@ -287,8 +287,7 @@ class TestCodecBadInput:
             strided = torch.nested.nested_tensor(rows)
         with pytest.raises(TypeError, match="column 'pixel_values' is a strided nested tensor"):
             dp.put("p", keys, {"pixel_values": strided})
-        with pytest.raises(KeyError):
-            dp.list("p")  # nothing was stored
+        assert dp.list("p") == []  # nothing was stored
 
     def test_decode_zero_tags(self):
         with pytest.raises(ValueError, match="empty wire batch"):

@@ -570,7 +570,7 @@ class NemoRLTransport:
 
     def list(self, partition: str) -> list[str]:
         if partition not in self._registered:
-            raise KeyError(f"partition {partition!r} does not exist")
+            return []  # a partition holding no keys lists [] (the transport contract)
         present = []
         for k in self._put_keys.get(partition, {}):
             try:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
-from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
+from rlconform.reference_impl.dataplane import check_name, check_names, check_tags, copy_tags
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
 INDEX_NAMESPACE = "rlconform"  # the index actors are named, so a rank process can find one
@@ -99,9 +99,7 @@ class _Index:
 
     def locate(self, partition: str, keys: list[str], fields: list[str]):
         """For each field: its layout, the blocks it needs, and (block index, row) per key."""
-        part = self.parts.get(partition)
-        if part is None:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        part = self.parts.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             return ("error", "KeyError", f"keys {missing[:8]} not in partition {partition!r}")
@@ -129,14 +127,10 @@ class _Index:
         return ("ok", out, refs, [dict(part[k]["tags"]) for k in keys])
 
     def list(self, partition: str):
-        if partition not in self.parts:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
-        return ("ok", list(self.parts[partition]))
+        return ("ok", list(self.parts.get(partition, {})))  # a partition holding no keys: []
 
     def clear(self, partition: str, keys: list[str] | None):
-        part = self.parts.get(partition)
-        if part is None:
-            return ("error", "KeyError", f"partition {partition!r} does not exist")
+        part = self.parts.get(partition, {})
         if keys is None:
             keys = list(part)
             self.layouts.pop(partition, None)
@@ -148,7 +142,7 @@ class _Index:
             for no, _row in part.pop(k)["rows"].values():
                 self._drop_row(no)
         if not part and partition not in self.layouts:
-            del self.parts[partition]
+            self.parts.pop(partition, None)
         return ("ok",)
 
 
@@ -166,8 +160,15 @@ def _to_payload(name: str, col, n: int) -> tuple[tuple, dict]:
     if col.is_nested:
         if col.layout is not torch.jagged:
             raise TypeError(f"column {name!r} is a strided nested tensor; use layout=torch.jagged")
+        from rlconform.reference_impl.dataplane import jagged_parts, jagged_rows
+
         layout = (JAGGED, str(col.dtype), tuple(col.shape[2:]))
-        return layout, {"values": _numpy(col.values()), "offsets": col.offsets().cpu().numpy()}
+        values, offsets, lengths = jagged_parts(col)
+        if lengths is not None:  # rows that do not tile their values: send the rows alone
+            rows = jagged_rows(col)
+            values = torch.cat(rows) if rows else values[:0]
+            offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
+        return layout, {"values": _numpy(values), "offsets": offsets.cpu().numpy()}
     if col.dim() == 0:
         raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
     return (DENSE, str(col.dtype), tuple(col.shape[1:])), {"values": _numpy(col)}
@@ -316,8 +317,9 @@ class RayObjectStoreTransport:
         blocks = self._wait([r[0] for r in refs], "block fetch") if refs else []
         if not keys:
             return {name: _empty(layout) for name, (layout, _w) in located.items()}, []
+        # one copy per row: a key asked twice arrives as one pickled object shared by its rows
         return {name: _from_rows(layout, blocks, where)
-                for name, (layout, where) in located.items()}, tags
+                for name, (layout, where) in located.items()}, copy_tags(tags)
 
     def list(self, partition: str) -> list[str]:
         return self._ask("list", check_name("partition", partition))[0]

@@ -133,6 +133,7 @@ class TransferQueueTransport:
     # -- the surface -------------------------------------------------------------------------
     def put(self, partition: str, keys: Sequence[str], columns: dict,
             tags: Sequence[dict] | None = None) -> None:
+        import torch
         from tensordict import TensorDict
 
         check_name("partition", partition)
@@ -140,6 +141,11 @@ class TransferQueueTransport:
         check_tags(tags, len(keys))
         for name, col in columns.items():
             check_name("field", name)
+            if not isinstance(col, torch.Tensor):
+                raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are "
+                                "tensors (TransferQueue stores a TensorDict)")
+            if col.dim() == 0:
+                raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
             if col.size(0) != len(keys):
                 raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
         if not keys:  # the contract: a put of no keys stores nothing (TQ refuses an empty list)
@@ -185,9 +191,7 @@ class TransferQueueTransport:
     def list(self, partition: str) -> list[str]:
         check_name("partition", partition)
         info = self._call(self._tq.async_kv_list(partition_id=self._pid(partition)), "kv_list")
-        if self._pid(partition) not in info:
-            raise KeyError(f"partition {partition!r} does not exist")
-        return list(info[self._pid(partition)])
+        return list(info.get(self._pid(partition), []))  # a partition holding no keys: []
 
     def clear(self, partition: str, keys: Sequence[str] | None = None) -> None:
         check_name("partition", partition)

@@ -215,6 +215,59 @@ DATA_PLANE_CLAUSES: list[Clause] = [
         "into the next step's rows",
         ("clear_keeps_tags", "clear_keeps_layouts", "clear_of_path_like_partition_missed"),
     ),
+    # -- the store contract as a state machine (test_store_machine.py) --------------------
+    Clause(
+        "DP-STORE-MODEL",
+        "every sequence of put, get, list and clear MUST answer, call by call, what the "
+        "contract's model answers and leave the store equal to it (every key's tags and every "
+        "field's rows, bit for bit with dtype and shape, read back after each step), for names "
+        "drawn in pairs a careless store confuses (case, whitespace, Unicode forms, prefixes, "
+        "SQL, glob and regex metacharacters, separators, escapes, path pieces, the longest "
+        "names) and values of every registry dtype (zero-size dims, 0-d rows, views): a re-put "
+        "replaces the rows it names, a clear removes for good, a get returns one row per key "
+        "named (twice for a key named twice) whose rows share nothing, a clear naming a key "
+        "not held raises KeyError removing nothing, and a partition holding no keys lists [].",
+        "transport",
+        "a SQLite-backed transport written from the guide passed every clause while it kept a "
+        "re-put key's old value, brought cleared values back on a later put, compared keys "
+        "case-insensitively, returned fewer rows for a key named twice, dropped a zero-size "
+        "dim and let `_` match any character: each lives in a sequence of calls or a pair of "
+        "names no single-call clause produces",
+        ("reput_keeps_old_value", "cleared_values_come_back", "repeated_key_returns_one_row",
+         "repeated_key_rows_share_tags", "clear_removes_held_keys_before_raising",
+         "list_of_unknown_partition_raises", "zero_size_dims_dropped",
+         "views_read_from_storage", "key_lookup_case_insensitive",
+         "key_trailing_spaces_ignored", "field_names_nfkc_normalised", "key_seek_by_prefix",
+         "keys_split_into_stem_and_index",
+         "underscore_is_a_wildcard", "select_fields_as_globs", "partition_clear_by_regex",
+         "keys_half_escaped", "keys_as_normalised_paths", "long_keys_cut_for_the_index",
+         "key_and_field_joined"),
+    ),
+    Clause(
+        "DP-STORE-ATOMIC",
+        "a call the contract refuses (a put whose later column has the wrong row count or "
+        "another layout, or that holds a refused name, tag or column or a repeated key; a get, "
+        "list or clear of a refused name) MUST raise TypeError or ValueError and leave the "
+        "store exactly as it was, anywhere in a sequence of calls; a column in a dtype no "
+        "registered field uses MUST be stored exactly or refused so.",
+        "transport",
+        "a store that writes column by column and checks each as it comes keeps the first "
+        "columns of a put that then fails, and one that deletes key by key while it checks "
+        "names clears half of a refused clear: the caller that retries reads a mix of two "
+        "states",
+        ("half_failed_put_keeps_first_columns", "clear_checks_names_as_it_deletes"),
+    ),
+    Clause(
+        "DP-STORE-CLIENTS",
+        "clients of one store opened by its address, and closed again, anywhere in a sequence "
+        "of calls MUST each read the one store: after every step every open client's reads "
+        "equal the model, whichever client wrote.",
+        "transport",
+        "a client that caches the key index it read answers list from its cache: a rank's "
+        "client does not see the keys the driver put after it opened",
+        ("client_caches_key_index", "client_close_clears_its_writes"),
+        capabilities=("multiprocess",),
+    ),
     # -- codec ----------------------------------------------------------------------------
     Clause(
         "WIRE-ROUNDTRIP",

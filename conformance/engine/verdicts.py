@@ -242,6 +242,18 @@ def _wrap_property_test(fn) -> None:
     handle.inner_test = waivable
 
 
+def waive_step(failure: BaseException) -> bool:
+    """Whether a covering waiver of the running test takes `failure`, one step of a stateful
+    check (the store machine): then it is recorded like a waived example, and the check goes
+    on past the known failure instead of ending at it."""
+    ctx = _CURRENT.get()
+    found = ctx.find(failure) if ctx is not None else None
+    if found is None:
+        return False
+    ctx.record(found)
+    return True
+
+
 @contextlib.contextmanager
 def example_waivers(item) -> Iterator[None]:
     """Around a test's call: property-test examples see the test's covering waivers."""

@@ -22,7 +22,7 @@ class Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
-_MODULES = ("transport", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks",
+_MODULES = ("transport", "store", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks",
             "trainer_order")
 
 
