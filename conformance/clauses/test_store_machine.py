@@ -69,7 +69,7 @@ STEPS = {"dev": (8, 20), "ci": (12, 20), "nightly": (200, 60),
          # the kill matrix (runner's "rlconform-mutant-run" profile, ci's derandomised
          # examples): a name-class mutant dies in its own class's test only, after every class
          # before it has passed, so each runs the first few examples of ci
-         "mutant-run": (4, 20)}
+         "mutant-run": (12, 20)}
 SINGLE = 3
 
 
