@@ -305,7 +305,7 @@ TRL_POINTS = {  # point -> the GRPOConfig options it maps to (the ones that diff
     "dual-clip": dict(epsilon_high=0.28, delta=1.8),
     "gspo": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     "kl-k3": dict(beta=0.1, use_bias_correction_kl=False),
-    "kl-k3-ratio-weighted": dict(beta=1.0, use_bias_correction_kl=True),
+    "kl-k3-ratio-weighted": dict(beta=0.45, use_bias_correction_kl=True),
     "seq-mean-token-mean": dict(loss_type="grpo"),
     "seq-mean-token-sum": dict(loss_type="luspo"),
     "constant-normalizer": dict(loss_type="dr_grpo", max_completion_length=8),

@@ -117,10 +117,12 @@ GRID: dict[str, LossConfig] = {
     "kl-k2": LossConfig(kl_coef=0.1, kl_estimator="k2"),
     "kl-k3": LossConfig(kl_coef=0.1, kl_estimator="k3"),
     # k3 times the ratio (DeepSeek-V3.2; TRL's default `use_bias_correction_kl=True`), at
-    # coefficient 1.0: the ratio weight's own gradient is coef * k3 * grad(ratio), at 0.1 a
-    # few percent of the step's gradient, under bf16's relative tolerance (2**-4) at
-    # production width (docs/gpu-runs/2026-12-05-h100), so a detached weight passed there
-    "kl-k3-ratio-weighted": LossConfig(kl_coef=1.0, kl_estimator="k3", kl_ratio_weighted=True),
+    # coefficient 0.45: the ratio weight's own gradient is coef * k3(d) * grad(ratio), at 0.1
+    # about 2.6% of the step's gradient, under bf16's relative tolerance (2**-4) at production
+    # width (docs/gpu-runs/2026-12-05-h100: a detached weight passed there), at 0.45 about 11%.
+    # A token's whole logit gradient is ratio * (coef * d - A): 0.45 keeps |coef * d - A| >=
+    # 0.05 over KL_OFFSETS x ADVANTAGES (1.0 cancels it exactly at d = A = 1)
+    "kl-k3-ratio-weighted": LossConfig(kl_coef=0.45, kl_estimator="k3", kl_ratio_weighted=True),
     # aggregations: GRPO's sequence mean of token means (TRL `grpo`), sequence mean of token
     # sums (TRL `luspo`), Dr. GRPO's constant normaliser (TRL `dr_grpo`, L = 8 > any completion)
     "seq-mean-token-mean": LossConfig(aggregation="seq-mean-token-mean"),
