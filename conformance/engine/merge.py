@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlconform.conformance import catalogue
 
-# what must be equal across the shards of one run: label -> how to read it from a report
+# what must be equal across every report of one run: label -> how to read it from a report
 _SAME = {
     "backend": lambda r: r["backend"],
     "backend source": lambda r: (r.get("backend_info") or {}).get("source"),
@@ -26,12 +26,16 @@ _SAME = {
     "backend capabilities": lambda r: (r.get("backend_info") or {}).get("capabilities"),
     "git commit": lambda r: r["provenance"].get("git_commit"),
     "catalogue fingerprint": lambda r: r["provenance"].get("catalogue"),
-    "device type": lambda r: r["provenance"]["device"].get("type"),
     "profile": lambda r: r["provenance"].get("profile"),
     "dtype": lambda r: r["provenance"].get("dtype"),
     "model size": lambda r: r["provenance"].get("model_size"),
     "seed": lambda r: r["provenance"].get("seed"),
+}
+# ... and across the shards of one part (one placement, or the whole run)
+_SAME_PART = {
+    "device type": lambda r: r["provenance"]["device"].get("type"),
     "shard count": lambda r: r["provenance"]["shard"]["n"],
+    "placement": lambda r: r["provenance"]["shard"].get("placement"),
 }
 _WAIVER_USE = ("covered", "matched", "xpass_tests", "first_failure", "unused", "note")
 
@@ -64,12 +68,14 @@ def load(paths: list[str | Path]) -> tuple[list[tuple[str, dict]], list[tuple[st
     return runs, matrices
 
 
-def _check_shards(items: list[tuple[str, dict]], shard_of, same: dict, what: str) -> int:
-    """N, after refusing inputs that are not the shards of one run."""
+def _require_shards(items: list[tuple[str, dict]], shard_of, what: str) -> None:
     for path, doc in items:
         if not shard_of(doc):
-            raise MergeError(f"{path} is not a shard {what} (made without --shard K/N): only "
-                             "the shards of one run are merged")
+            raise MergeError(f"{path} is not a shard {what} (made without --shard K/N or "
+                             "--placement): only the shards of one run are merged")
+
+
+def _check_same(items: list[tuple[str, dict]], same: dict, what: str) -> None:
     for label, read in same.items():
         values = {}
         for path, doc in items:
@@ -78,11 +84,17 @@ def _check_shards(items: list[tuple[str, dict]], shard_of, same: dict, what: str
             shown = "; ".join(f"{path}: {v}" for v, path in values.items())
             raise MergeError(f"the {what}s are not the shards of one run: their {label} "
                              f"differs ({shown})")
+
+
+def _check_shards(items: list[tuple[str, dict]], shard_of, same: dict, what: str) -> int:
+    """N, after refusing shards that are not the shards of one run (or part of a run)."""
+    _require_shards(items, shard_of, what)
+    _check_same(items, same, what)
     seen: dict[int, str] = {}
     for path, doc in items:
         k = shard_of(doc)["k"]
         if k in seen:
-            raise MergeError(f"shard {k} given twice: {seen[k]} and {path}")
+            raise MergeError(f"shard {k}/{shard_of(doc)['n']} given twice: {seen[k]} and {path}")
         seen[k] = path
     scopes = {json.dumps(shard_of(doc).get("scope"), sort_keys=True) for _, doc in items}
     if len(scopes) > 1:
@@ -90,6 +102,33 @@ def _check_shards(items: list[tuple[str, dict]], shard_of, same: dict, what: str
                          "--surfaces, --only or durations record): every shard of one run must "
                          "be made with the same options at the same commit")
     return shard_of(items[0][1])["n"]
+
+
+def _parts(items: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
+    """The reports grouped into the parts of the run (a `--placement`, or the whole run), each
+    part's shards checked; parts must not share a test."""
+    def shard(r):
+        return (r.get("provenance") or {}).get("shard")
+
+    _require_shards(items, shard, "report")
+    _check_same(items, _SAME, "report")
+    groups: dict[tuple, list[tuple[str, dict]]] = {}
+    for path, doc in items:
+        key = (shard(doc).get("placement"), shard(doc)["n"])
+        groups.setdefault(key, []).append((path, doc))
+    parts = []
+    owner: dict[str, str] = {}
+    for key, group in groups.items():
+        _check_shards(group, shard, _SAME_PART, "report")
+        where = f"part {key[0]}" if key[0] else "the run"
+        for nodeid in shard(group[0][1]).get("scope") or {}:
+            if nodeid in owner:
+                raise MergeError(f"{nodeid} is in {owner[nodeid]} and in {where}: the parts of "
+                                 "a run (--placement device, host) must not overlap; shards of "
+                                 "one part need the same --shard N")
+            owner[nodeid] = where
+        parts.append(sorted(group, key=lambda x: shard(x[1])["k"]))
+    return parts
 
 
 def _missing(present: set[int], n: int) -> list[int]:
@@ -144,13 +183,14 @@ class ReportedExpectations:
 
 
 class MergedRun:
-    """The run's state (what report_builder.assemble reads) rebuilt from its shard reports."""
+    """The run's state (what report_builder.assemble reads) rebuilt from its parts' shard
+    reports."""
 
-    def __init__(self, reports: list[dict], n: int):
+    def __init__(self, parts: list[list[dict]]):
         from rlconform.conformance.engine.report_builder import INTERRUPTED
 
-        first = reports[0]
-        self.backend = ReportedBackend(first["backend_info"])
+        reports = [r for part in parts for r in part]
+        self.backend = ReportedBackend(reports[0]["backend_info"])
         self.expectations = ReportedExpectations(reports)
         self.results: dict[str, dict] = {}
         for r in reports:
@@ -159,23 +199,29 @@ class MergedRun:
                     if t["nodeid"] not in self.results:
                         self.results[t["nodeid"]] = _result(t, c["id"])
         self.reported = set(self.results)
-        scope = first["provenance"]["shard"]["scope"] or {}
-        self.selected = {nodeid: e["clauses"] for nodeid, e in scope.items()}
-        shards = [r["provenance"]["shard"] for r in reports]
-        self.missing = _missing({s["k"] for s in shards}, n)
-        self.problems = list(dict.fromkeys(p for s in shards for p in s["run_problems"]))
-        for k in self.missing:
-            count = sum(e["shard"] == k for e in scope.values())
-            self.problems.append(f"shard {k}/{n} missing: its report was not given to "
-                                 f"`rlconform merge`, so its {count} tests did not report")
-        for s in shards:
-            if s.get("scope_unknown"):
-                self.problems.append(f"shard {s['k']}/{n}: {s['scope_unknown']}")
-        statuses = [s.get("exitstatus") for s in shards]
+        self.selected: dict[str, list[str]] = {}
+        self.problems = list(dict.fromkeys(p for r in reports
+                                           for p in r["provenance"]["shard"]["run_problems"]))
+        self.missing: list[str] = []
+        for part in parts:
+            shards = [r["provenance"]["shard"] for r in part]
+            n, placement = shards[0]["n"], shards[0].get("placement")
+            scope = shards[0].get("scope") or {}
+            self.selected.update({nodeid: e["clauses"] for nodeid, e in scope.items()})
+            of = f" of the {placement} part" if placement else ""
+            for k in _missing({s["k"] for s in shards}, n):
+                self.missing.append(f"{k}/{n}{of}")
+                count = sum(e["shard"] == k for e in scope.values())
+                self.problems.append(f"shard {k}/{n}{of} missing: its report was not given to "
+                                     f"`rlconform merge`, so its {count} tests did not report")
+            for s in shards:
+                if s.get("scope_unknown"):
+                    self.problems.append(f"shard {s['k']}/{n}{of}: {s['scope_unknown']}")
+        statuses = [r["provenance"]["shard"].get("exitstatus") for r in reports]
         self.exitstatus = INTERRUPTED if INTERRUPTED in statuses else next(
-            (x for x in statuses if x not in (0, 1)), 0)
-        self.unreported_why = (f"shard(s) {', '.join(f'{k}/{n}' for k in self.missing)} not "
-                               "merged" if self.missing else None)
+            (x for x in statuses if x not in (0, 1, None)), 0)
+        self.unreported_why = (f"shard(s) {', '.join(self.missing)} not merged"
+                               if self.missing else None)
 
 
 def _result(t: dict, clause: str) -> dict:
@@ -193,33 +239,42 @@ def _result(t: dict, clause: str) -> dict:
 
 
 def merge_runs(items: list[tuple[str, dict]], kill_matrix: dict | None = None) -> dict:
-    """The report of the run whose shard reports are `items` (path, report)."""
+    """The report of the run whose shard reports are `items` (path, report): the shards of
+    the whole run, or of each of its parts (`--placement device` and `host`). The provenance
+    is the first report's, with every shard's own beside it (`merged_shards`)."""
+    from rlconform.conformance.backend import SURFACES
     from rlconform.conformance.engine.report_builder import assemble
 
-    n = _check_shards(items, lambda r: (r.get("provenance") or {}).get("shard"), _SAME,
-                      "report")
+    parts = [[r for _, r in part] for part in _parts(items)]
     now = catalogue.fingerprint()
     theirs = items[0][1]["provenance"].get("catalogue")
     if theirs != now:
         raise MergeError(f"the shards ran under clause catalogue {theirs}, this rlconform has "
                          f"{now}: merge with the rlconform of the commit the shards ran")
-    reports = [r for _, r in sorted(items, key=lambda x: x[1]["provenance"]["shard"]["k"])]
-    st = MergedRun(reports, n)
-    provs = [r["provenance"] for r in reports]
-    prov = {k: v for k, v in provs[0].items() if k != "shard"}
+    st = MergedRun(parts)
+    provs = [r["provenance"] for part in parts for r in part]
+    first = items[0][1]["provenance"]
+    prov = {k: v for k, v in first.items() if k != "shard"}
     prov.update(
         started_at=min(p.get("started_at") or "" for p in provs),
         finished_at=max(p.get("finished_at") or "" for p in provs),
         duration_s=round(sum(p.get("duration_s") or 0.0 for p in provs), 3),
         command=" ".join(sys.argv),
-        merged_shards={
-            "n": n, "missing": st.missing,
-            "shards": [{"k": p["shard"]["k"], "duration_s": p.get("duration_s"),
-                        "command": p.get("command"), "device": p["device"].get("name"),
-                        "tests": sum(e["shard"] == p["shard"]["k"]
-                                     for e in (p["shard"]["scope"] or {}).values())}
-                       for p in provs]})
-    subset = any(p["shard"].get("subset") for p in provs)
+        merged_shards={"missing": st.missing, "shards": [
+            {"placement": p["shard"].get("placement"), "k": p["shard"]["k"],
+             "n": p["shard"]["n"], "duration_s": p.get("duration_s"),
+             "command": p.get("command"), "device": p["device"].get("name"),
+             "tests": sum(e["shard"] == p["shard"]["k"]
+                          for e in (p["shard"].get("scope") or {}).values())}
+            for p in provs]})
+    # the run left tests out on purpose when a part did (-k, -m), when the parts' --surfaces
+    # do not cover every surface, or when only one placement was run
+    shards = [p["shard"] for p in provs]
+    surfaces = set().union(*(s.get("surfaces") or SURFACES for s in shards))
+    placements = {s.get("placement") for s in shards}
+    subset = (any(s.get("keyword_subset") for s in shards) or not set(SURFACES) <= surfaces
+              or (None not in placements and placements != {"device", "host"}))
+    reports = [r for part in parts for r in part]
     km = kill_matrix if kill_matrix is not None else next(
         (r["kill_matrix"] for r in reports if r.get("kill_matrix")), None)
     effects = next((r["mutant_effects"] for r in reports if r.get("mutant_effects")), None)
@@ -238,18 +293,22 @@ def merge_matrices(items: list[tuple[str, dict]]) -> dict:
     """One kill matrix from its shards' (path, matrix); the mutants of a shard not given are
     rows with no verdict (errors: the matrix is incomplete and the gate fails it)."""
     from rlconform.conformance.engine.kill_matrix import claims, summarize
+    from rlconform.conformance.mutants import load_all
 
     n = _check_shards(items, lambda m: m.get("shard"), _SAME_MATRIX, "kill matrix")
     scope: dict[str, int] = items[0][1]["shard"]["scope"]
     rows = {r["name"]: r for _, m in items for r in m["mutants"]}
     missing = _missing({m["shard"]["k"] for _, m in items}, n)
     expected = claims([name for name in scope if name not in rows]) if missing else {}
+    mutants = load_all()
     ordered = []
     for name in sorted(scope):  # the order of an unsharded matrix
         if name in rows:
             ordered.append(rows[name])
             continue
-        ordered.append({"name": name, "expected": expected.get(name, []), "ran": [],
+        m = mutants[name]
+        ordered.append({"name": name, "defect": m.defect, "surface": m.surface,
+                        "expected": expected.get(name, []), "ran": [],
                         "failed": [], "failed_by_exception_only": [], "killed": False,
                         "missed": expected.get(name, []), "duration_s": 0.0,
                         "failed_tests": {},

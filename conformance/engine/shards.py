@@ -14,6 +14,11 @@ GPU's device groups (collection._one_device_group) are not such groups: they cap
 model tests share one GPU at once, which holds per machine, so shards split them; that is what
 lets the model tests, most of a nightly, spread over several GPUs.
 
+`--placement device|host` keeps the clauses that use the run's --device (models, rank
+processes: items.needs_device) or the rest, so that a nightly runs its data-structure clauses
+on a CPU machine and only the rest on GPUs; each placement is a part of the run, sharded or
+not, and the merge joins the parts.
+
 The shard hook runs last among the collection hooks, after -k, -m, --surfaces and the model
 size have deselected, and records the whole run's scope (every selected test id with its
 shard and clauses), so a merge can tell which tests a missing shard would have run.
@@ -147,18 +152,38 @@ def durations_from(doc: dict) -> tuple[str, dict[str, float], dict[str, float]]:
 
 # --- the collection hook ------------------------------------------------------------------------
 
+def spec_of(config: pytest.Config) -> tuple[int, int] | None:
+    """(K, N) of the run: `--shard K/N`; 1/1 for a `--placement` part given no shard (it is
+    merged with the other part); None for a run that is neither."""
+    spec = parse(config.getoption("--shard"))
+    if spec is None and config.getoption("--placement"):
+        return 1, 1
+    return spec
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m (pytest), --surfaces and model size (collection)
 def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None:
     try:
-        spec = parse(config.getoption("--shard"))
+        spec = spec_of(config)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
     if spec is None:
         return
-    from rlconform.conformance.engine.items import clause_ids, is_model_test, plain_nodeid
+    from rlconform.conformance.engine.items import (
+        clause_ids,
+        is_model_test,
+        needs_device,
+        plain_nodeid,
+    )
     from rlconform.conformance.engine.session import state
     from rlconform.fixtures.sizes import model_size
 
+    placement = config.getoption("--placement")
+    if placement:
+        here = [needs_device(clause_ids(i)) == (placement == "device") for i in items]
+        if not all(here):
+            config.hook.pytest_deselected(items=[i for i, h in zip(items, here) if not h])
+            items[:] = [i for i, h in zip(items, here) if h]
     k, n = spec
     ids = {plain_nodeid(i.nodeid): i for i in items}
     families = {}
@@ -178,7 +203,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
     kept = [i for i in items if where[plain_nodeid(i.nodeid)] == k]
     dropped = [i for i in items if where[plain_nodeid(i.nodeid)] != k]
     info = {
-        "k": k, "n": n, "regime": regime,
+        "k": k, "n": n, "regime": regime, "placement": placement,
         "balance_s": [round(sum(c for i, c in costs.items() if where[i] == s), 1)
                       for s in range(1, n + 1)],
         "scope": {i: {"shard": where[i], "clauses": clause_ids(item)}
@@ -207,13 +232,16 @@ def pytest_testnodedown(node, error) -> None:
 def provenance_entry(st, config) -> dict | None:
     """The report's `provenance.shard` of a shard run: K, N, the whole run's scope, and what
     the merge needs to rebuild the run (see merge.py); None when the run is not sharded."""
-    spec = parse(config.getoption("--shard"))
+    spec = spec_of(config)
     if spec is None:
         return None
-    info = dict(st.shard or {"k": spec[0], "n": spec[1], "scope": None})
-    subset = bool(config.getoption("keyword", "") or config.getoption("markexpr", "")
-                  or config.getoption("--surfaces"))
-    info.update(subset=subset, exitstatus=None if st.exitstatus is None else int(st.exitstatus),
+    info = dict(st.shard or {"k": spec[0], "n": spec[1], "scope": None,
+                             "placement": config.getoption("--placement")})
+    surfaces = config.getoption("--surfaces")
+    info.update(keyword_subset=bool(config.getoption("keyword", "")
+                                    or config.getoption("markexpr", "")),
+                surfaces=surfaces.split(",") if surfaces else None,
+                exitstatus=None if st.exitstatus is None else int(st.exitstatus),
                 run_problems=list(st.problems))
     if info.get("scope") is None:
         info["scope_unknown"] = "no worker reported the shard's scope (interrupted before " \
