@@ -112,20 +112,18 @@ def _parts(items: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
 
     _require_shards(items, shard, "report")
     _check_same(items, _SAME, "report")
-    groups: dict[tuple, list[tuple[str, dict]]] = {}
+    groups: dict[str | None, list[tuple[str, dict]]] = {}
     for path, doc in items:
-        key = (shard(doc).get("placement"), shard(doc)["n"])
-        groups.setdefault(key, []).append((path, doc))
+        groups.setdefault(shard(doc).get("placement"), []).append((path, doc))
     parts = []
     owner: dict[str, str] = {}
     for key, group in groups.items():
         _check_shards(group, shard, _SAME_PART, "report")
-        where = f"part {key[0]}" if key[0] else "the run"
+        where = f"the {key} part" if key else "the run"
         for nodeid in shard(group[0][1]).get("scope") or {}:
             if nodeid in owner:
                 raise MergeError(f"{nodeid} is in {owner[nodeid]} and in {where}: the parts of "
-                                 "a run (--placement device, host) must not overlap; shards of "
-                                 "one part need the same --shard N")
+                                 "a run (--placement device, host, or none) must not overlap")
             owner[nodeid] = where
         parts.append(sorted(group, key=lambda x: shard(x[1])["k"]))
     return parts
