@@ -158,7 +158,7 @@ def _cmd_merge(a, extra) -> int:
     from rlconform.conformance.engine.merge import merge
     from rlconform.reports._common import headline
 
-    report, matrix = merge(a.inputs, a.out)
+    report, matrix = merge(a.inputs, a.out, a.mutant_effects)
     if matrix is not None:
         killed = sum(r["killed"] for r in matrix["mutants"])
         print(f"kill matrix: {len(matrix['mutants'])} mutants, {killed} killed, "
@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     mg.add_argument("-o", "--out", required=True, metavar="OUT_DIR",
                     help="write report.{json,md,html}, junit.xml and mutants/kill_matrix.json "
                          "here")
+    mg.add_argument("--mutant-effects", default=None, metavar="FILE",
+                    help="the mutants' numeric effects (mutant_effects.json) the merged "
+                         "reference report carries, when the shards did not find one")
     sd = sub.add_parser("shard-durations", help="fold the per-test durations of run reports "
                                                 "and kill matrices into the shards' record "
                                                 "(print, or --write it)")

@@ -110,7 +110,7 @@ def whole_selection(tmp_path_factory):
 
 def test_run_shards_partition_the_selection_after_k_and_keep_groups(whole_selection):
     tmp, whole = whole_selection
-    got = {}
+    got, scopes = {}, []
     for k in (1, 2, 3):
         ids, prov = _collect(tmp, *SPLIT, "--shard", f"{k}/3")
         shard = prov["shard"]
@@ -118,10 +118,9 @@ def test_run_shards_partition_the_selection_after_k_and_keep_groups(whole_select
         assert sorted(shard["scope"]) == sorted(whole), "the scope is the whole run's selection"
         assert sorted(ids) == sorted(i for i, e in shard["scope"].items() if e["shard"] == k)
         assert all(e["clauses"] for e in shard["scope"].values())
-        if k > 1:
-            assert shard["scope"] == scope, "every shard computes the same split"
-        scope = shard["scope"]
+        scopes.append(shard["scope"])
         got[k] = ids
+    assert scopes[0] == scopes[1] == scopes[2], "every shard computes the same split"
     assert sorted(sum(got.values(), [])) == sorted(whole), "union = the selection, disjoint"
     assert all(got.values()), "every shard got tests"
     grouped = {k for k, ids in got.items() for i in ids if "test_codec" in i and "gemma3" in i}

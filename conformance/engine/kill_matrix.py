@@ -269,7 +269,6 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
            on_result, t0: float, every_test: bool = False, shard: dict | None = None) -> dict:
     import selectors
 
-    from rlconform.conformance import catalogue
     from rlconform.conformance.mutants import load_all
     from rlconform.reports.write import write_text
 

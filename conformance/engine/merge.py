@@ -236,7 +236,8 @@ def _result(t: dict, clause: str) -> dict:
     return r
 
 
-def merge_runs(items: list[tuple[str, dict]], kill_matrix: dict | None = None) -> dict:
+def merge_runs(items: list[tuple[str, dict]], kill_matrix: dict | None = None,
+               mutant_effects: dict | None = None) -> dict:
     """The report of the run whose shard reports are `items` (path, report): the shards of
     the whole run, or of each of its parts (`--placement device` and `host`). The provenance
     is the first report's, with every shard's own beside it (`merged_shards`)."""
@@ -275,9 +276,11 @@ def merge_runs(items: list[tuple[str, dict]], kill_matrix: dict | None = None) -
     reports = [r for part in parts for r in part]
     km = kill_matrix if kill_matrix is not None else next(
         (r["kill_matrix"] for r in reports if r.get("kill_matrix")), None)
-    effects = next((r["mutant_effects"] for r in reports if r.get("mutant_effects")), None)
-    return assemble(st, prov, subset=subset, kill_matrix=km if st.backend.name == "reference"
-                    else None, mutant_effects=effects)
+    effects = mutant_effects or next(
+        (r["mutant_effects"] for r in reports if r.get("mutant_effects")), None)
+    reference = st.backend.name == "reference"  # as a run: only its report carries them
+    return assemble(st, prov, subset=subset, kill_matrix=km if reference else None,
+                    mutant_effects=effects if reference else None)
 
 
 _SAME_MATRIX = {
@@ -321,9 +324,12 @@ def merge_matrices(items: list[tuple[str, dict]]) -> dict:
     return out
 
 
-def merge(paths: list[str | Path], out_dir: str | Path) -> tuple[dict | None, dict | None]:
+def merge(paths: list[str | Path], out_dir: str | Path,
+          mutant_effects: str | Path | None = None) -> tuple[dict | None, dict | None]:
     """Merge the shard reports and kill matrices among `paths` into `out_dir`
-    (report.{json,md,html} and junit.xml; mutants/kill_matrix.json). Returns (report, matrix)."""
+    (report.{json,md,html} and junit.xml; mutants/kill_matrix.json), the reference's report
+    carrying the merged matrix and `mutant_effects` (a mutant_effects.json). Returns (report,
+    matrix)."""
     from rlconform.conformance.engine.report_builder import write
     from rlconform.reports.write import write_text
 
@@ -336,7 +342,13 @@ def merge(paths: list[str | Path], out_dir: str | Path) -> tuple[dict | None, di
     if matrix is not None:
         (out / "mutants").mkdir(parents=True, exist_ok=True)
         write_text(out / "mutants" / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
-    report = merge_runs(runs, matrix) if runs else None
+    effects = None
+    if mutant_effects is not None:
+        try:
+            effects = json.loads(Path(mutant_effects).read_text())
+        except (OSError, ValueError) as exc:
+            raise MergeError(f"cannot read --mutant-effects {mutant_effects}: {exc}") from exc
+    report = merge_runs(runs, matrix, effects) if runs else None
     if report is not None:
         write(report, out)
     return report, matrix
