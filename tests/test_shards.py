@@ -70,6 +70,19 @@ def test_the_committed_record_covers_the_gpu_nightly():
     assert rec["cuda/production/ci"]["mutants"]
 
 
+def test_the_record_folds_in_a_reports_durations_under_its_regime(tmp_path):
+    matrix = {"regime": {"device": "cuda", "model_size": "production", "profile": "ci"},
+              "mutants": [{"name": "m1", "duration_s": 12.5}, {"name": "m2", "duration_s": 0.0,
+                                                                "error": "no report"}]}
+    regime, tests, mutants = shards.durations_from(matrix)
+    assert (regime, tests, mutants) == ("cuda/production/ci", {}, {"m1": 12.5})
+    folded = shards.fold({"regimes": {"cuda/production/ci": {"mutants": {"m0": 3.0}}}},
+                         regime, mutants=mutants)
+    assert folded["regimes"]["cuda/production/ci"]["mutants"] == {"m0": 3.0, "m1": 12.5}
+    with pytest.raises(ValueError, match="shard reports"):
+        shards.durations_from({"clauses": [], "provenance": {"merged_shards": {}}})
+
+
 def _collect(tmp_path: Path, *extra: str) -> tuple[list[str], dict]:
     """(ids a --collect-only run selects, its report's provenance.shard)."""
     out = tmp_path / f"c{len(list(tmp_path.glob('c*')))}"
@@ -191,7 +204,9 @@ def _verdicts(report: dict) -> dict:
 def real_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shards")
     whole = _run(tmp, "whole")
-    parts = [_run(tmp, f"s{k}", "--shard", f"{k}/3") for k in (1, 2, 3)]
+    # shard 3 under xdist: its controller learns the scope from the workers
+    parts = [_run(tmp, f"s{k}", "--shard", f"{k}/3", *(["--workers", "2"] if k == 3 else []))
+             for k in (1, 2, 3)]
     return tmp, whole, parts
 
 
@@ -202,6 +217,9 @@ def test_merged_shards_give_the_verdicts_of_the_unsharded_run(real_run):
                    for p in parts]
     assert all(shard_tests) and sum(shard_tests) == sum(len(c["tests"]) for c in one["clauses"])
     assert _clause_status(one, "DP-NO-ALIAS") == "passed_with_waivers"  # the case is live
+    for p in parts:  # every shard knows the run's scope, the xdist one (3) included
+        shard = json.loads(p.read_text())["provenance"]["shard"]
+        assert shard["scope"] and "scope_unknown" not in shard, shard
     report, _ = merge(parts, tmp / "merged")
     assert _verdicts(report) == _verdicts(one)
     assert report["summary"] == one["summary"] and report["deselected"] == one["deselected"]

@@ -96,7 +96,9 @@ def _check_shards(items: list[tuple[str, dict]], shard_of, same: dict, what: str
         if k in seen:
             raise MergeError(f"shard {k}/{shard_of(doc)['n']} given twice: {seen[k]} and {path}")
         seen[k] = path
-    scopes = {json.dumps(shard_of(doc).get("scope"), sort_keys=True) for _, doc in items}
+    # (a shard whose workers all died before the end sent no scope: the others' stands)
+    scopes = {json.dumps(shard_of(doc)["scope"], sort_keys=True) for _, doc in items
+              if shard_of(doc).get("scope") is not None}
     if len(scopes) > 1:
         raise MergeError(f"the {what}s' shards split different selections (another -k, "
                          "--surfaces, --only or durations record): every shard of one run must "
@@ -120,13 +122,18 @@ def _parts(items: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
     for key, group in groups.items():
         _check_shards(group, shard, _SAME_PART, "report")
         where = f"the {key} part" if key else "the run"
-        for nodeid in shard(group[0][1]).get("scope") or {}:
+        for nodeid in _scope([shard(doc) for _, doc in group]):
             if nodeid in owner:
                 raise MergeError(f"{nodeid} is in {owner[nodeid]} and in {where}: the parts of "
                                  "a run (--placement device, host, or none) must not overlap")
             owner[nodeid] = where
         parts.append(sorted(group, key=lambda x: shard(x[1])["k"]))
     return parts
+
+
+def _scope(shards: list[dict]) -> dict:
+    """A part's scope: any of its shards' (they are checked equal), {} when none knows it."""
+    return next((s["scope"] for s in shards if s.get("scope") is not None), {})
 
 
 def _missing(present: set[int], n: int) -> list[int]:
@@ -204,7 +211,7 @@ class MergedRun:
         for part in parts:
             shards = [r["provenance"]["shard"] for r in part]
             n, placement = shards[0]["n"], shards[0].get("placement")
-            scope = shards[0].get("scope") or {}
+            scope = _scope(shards)
             self.selected.update({nodeid: e["clauses"] for nodeid, e in scope.items()})
             of = f" of the {placement} part" if placement else ""
             for k in _missing({s["k"] for s in shards}, n):

@@ -139,6 +139,9 @@ def durations_from(doc: dict) -> tuple[str, dict[str, float], dict[str, float]]:
     """(regime, test durations, mutant durations) of a run report or a kill matrix."""
     if "clauses" in doc:
         p = doc["provenance"]
+        if p.get("merged_shards"):
+            raise ValueError("a merged report holds parts run in different regimes: give "
+                             "`rlconform shard-durations` the shard reports")
         regime = regime_key(p["device"]["type"], p.get("model_size") or "tiny", p["profile"])
         tests = {t["nodeid"]: t["duration_s"] for c in doc["clauses"] for t in c["tests"]
                  if t["outcome"] not in ("not_applicable", "skipped")}
