@@ -139,7 +139,7 @@ def durations_from(doc: dict) -> tuple[str, dict[str, float], dict[str, float]]:
     """(regime, test durations, mutant durations) of a run report or a kill matrix."""
     if "clauses" in doc:
         p = doc["provenance"]
-        if p.get("merged_shards"):
+        if "merged_shards" in p:
             raise ValueError("a merged report holds parts run in different regimes: give "
                              "`rlconform shard-durations` the shard reports")
         regime = regime_key(p["device"]["type"], p.get("model_size") or "tiny", p["profile"])
