@@ -57,6 +57,9 @@ def _cmd_clauses(a, extra) -> int:
 
 def _cmd_mutants(a, extra) -> int:
     from rlconform.conformance.engine.kill_matrix import kill_matrix, no_verdict
+    from rlconform.conformance.engine.shards import parse
+
+    shard = parse(a.shard)  # a bad K/N: exit 2 before any worker starts
 
     def progress(row: dict, done: int, total: int, elapsed: float) -> None:
         mark = "ERROR   " if no_verdict(row) else "killed  " if row["killed"] else "SURVIVED"
@@ -74,9 +77,6 @@ def _cmd_mutants(a, extra) -> int:
     print(f"rlconform mutants: each mutant against {against}; results as they finish",
           flush=True)
     surfaces = [x for x in (a.mutant_surfaces or "").split(",") if x]
-    from rlconform.conformance.engine.shards import parse
-
-    shard = parse(a.shard)
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
                     on_result=progress, surfaces=surfaces or None, every_test=a.every_test,
                     shard=shard)

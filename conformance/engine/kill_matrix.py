@@ -136,6 +136,8 @@ MUTANT_SELECTION_OPTIONS = ("-k", "-m")
 MUTANT_REFUSED = {
     "--backend": "each mutant is the backend of its own run; use --only NAME ...",
     "--no-report": "the kill matrix reads each mutant's report",
+    "--placement": "each mutant runs the clauses that claim it; choose the mutants with "
+                   "--mutant-surfaces",
     "--report-dir": "give it to `rlconform mutants --report-dir`",
     "--workers": "`rlconform run` takes --workers; `rlconform mutants` takes --jobs N "
                  "(worker processes)",
