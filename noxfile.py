@@ -157,7 +157,11 @@ def conformance(session: nox.Session) -> None:
     _load_backend_first(session, args)
     if "--profile" not in args:
         args += ["--profile", "ci"]
-    if "--backend" not in args or args[args.index("--backend") + 1] == "reference":
+    sharded = any(a.split("=", 1)[0] in ("--shard", "--placement") for a in args)
+    if sharded:
+        session.log("a shard or part of a run: its kill matrix runs in shards of its own "
+                    "(rlconform mutants --shard K/N) and joins the report at `rlconform merge`")
+    elif "--backend" not in args or args[args.index("--backend") + 1] == "reference":
         # the reference's report carries the mutant kill matrix: run the mutants first, into
         # the report directory the run reads it from
         report_dir = args[args.index("--report-dir") + 1] if "--report-dir" in args \
@@ -244,6 +248,14 @@ def bench(session: nox.Session) -> None:
     _install(session, backend_reqs=reqs)
     _load_backend_first(session, args)
     session.run("python", "bench/bench_dataplane.py", *args)
+
+
+@nox.session(**VENV)
+def merge(session: nox.Session) -> None:
+    """Join the shard reports of one run into its report: `nox -s merge -- REPORT.json ...
+    [KILL_MATRIX.json ...] -o OUT_DIR` (rlconform merge; no GPU needed)."""
+    _install(session)
+    session.run("rlconform", "merge", *_posargs(session))
 
 
 @nox.session(**VENV)

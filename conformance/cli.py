@@ -57,6 +57,9 @@ def _cmd_clauses(a, extra) -> int:
 
 def _cmd_mutants(a, extra) -> int:
     from rlconform.conformance.engine.kill_matrix import kill_matrix, no_verdict
+    from rlconform.conformance.engine.shards import parse
+
+    shard = parse(a.shard)  # a bad K/N: exit 2 before any worker starts
 
     def progress(row: dict, done: int, total: int, elapsed: float) -> None:
         mark = "ERROR   " if no_verdict(row) else "killed  " if row["killed"] else "SURVIVED"
@@ -75,7 +78,8 @@ def _cmd_mutants(a, extra) -> int:
           flush=True)
     surfaces = [x for x in (a.mutant_surfaces or "").split(",") if x]
     m = kill_matrix(a.report_dir, a.jobs, a.only or None, extra, full=a.full,
-                    on_result=progress, surfaces=surfaces or None, every_test=a.every_test)
+                    on_result=progress, surfaces=surfaces or None, every_test=a.every_test,
+                    shard=shard)
     errors = m["errors"]
     survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
     if errors:
@@ -97,15 +101,16 @@ def _cmd_mutants(a, extra) -> int:
     if m["claims_not_killed"]:
         print("claims that did not kill (the catalogue names the mutant, the clause passed): "
               + ", ".join(f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
-    if m["clauses_without_kill"] and not a.only:
+    partial = a.only or shard  # clauses may kill what another shard holds
+    if m["clauses_without_kill"] and not partial:
         print(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
     killed = sum(r["killed"] for r in m["mutants"])
     print(f"{len(m['mutants'])} mutants, {killed} killed, {len(survived)} survived"
           + (f", {len(errors)} errors (no verdict)" if errors else "")
           + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
     failed = (errors or survived or m["claims_not_killed"]
-              or (m["clauses_without_kill"] and not a.only)
-              or ((a.full or a.every_test) and m["tests_without_kill"] and not a.only
+              or (m["clauses_without_kill"] and not partial)
+              or ((a.full or a.every_test) and m["tests_without_kill"] and not partial
                   and "-k" not in extra))
     return 1 if failed else 0
 
@@ -144,6 +149,43 @@ def _cmd_memory_plan(a, extra) -> int:
     if a.write:
         gpu_memory.PLAN_PATH.write_text(text)
         print(f"wrote {gpu_memory.PLAN_PATH}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _cmd_merge(a, extra) -> int:
+    from rlconform.conformance.engine.merge import merge
+    from rlconform.reports._common import headline
+
+    report, matrix = merge(a.inputs, a.out, a.mutant_effects)
+    if matrix is not None:
+        killed = sum(r["killed"] for r in matrix["mutants"])
+        print(f"kill matrix: {len(matrix['mutants'])} mutants, {killed} killed, "
+              f"{len(matrix['errors'])} without a verdict"
+              + (f" (shards not given: {matrix['merged_shards']['missing']})"
+                 if matrix["merged_shards"]["missing"] else "")
+              + f" -> {a.out}/mutants/kill_matrix.json")
+    if report is not None:
+        print(headline(report))
+        print(f"report: {a.out}/report.json (.md, .html, junit.xml)")
+    return 0
+
+
+def _cmd_shard_durations(a, extra) -> int:
+    from rlconform.conformance.engine import shards
+
+    record = shards.load_durations()
+    for path in a.reports:
+        doc = json.loads(open(path).read())
+        if "clauses" in doc:
+            doc = _load(path)
+        regime, tests, mutants = shards.durations_from(doc)
+        record = shards.fold(record, regime, tests, mutants)
+    text = json.dumps(record, indent=2) + "\n"
+    if a.write:
+        shards.DURATIONS_PATH.write_text(text)
+        print(f"wrote {shards.DURATIONS_PATH}")
     else:
         print(text, end="")
     return 0
@@ -192,6 +234,25 @@ def main(argv: list[str] | None = None) -> int:
                         "clauses that claim to kill it, and report per clause test the mutants "
                         "that fail it (slow: nightly and on demand); fails when a clause test "
                         "fails on no mutant")
+    m.add_argument("--shard", default=None, metavar="K/N",
+                   help="only shard K of N of the selected mutants (balanced by recorded "
+                        "durations; `rlconform merge` joins the shards' kill_matrix.json)")
+    mg = sub.add_parser("merge", help="join the shard reports of one run (run --shard K/N; "
+                                      "kill_matrix.json of mutants --shard K/N) into one")
+    mg.add_argument("inputs", nargs="+", metavar="REPORT.json",
+                    help="the shards' report.json and/or mutants/kill_matrix.json files")
+    mg.add_argument("-o", "--out", required=True, metavar="OUT_DIR",
+                    help="write report.{json,md,html}, junit.xml and mutants/kill_matrix.json "
+                         "here")
+    mg.add_argument("--mutant-effects", default=None, metavar="FILE",
+                    help="the mutants' numeric effects (mutant_effects.json) the merged "
+                         "reference report carries, when the shards did not find one")
+    sd = sub.add_parser("shard-durations", help="fold the per-test durations of run reports "
+                                                "and kill matrices into the shards' record "
+                                                "(print, or --write it)")
+    sd.add_argument("reports", nargs="+")
+    sd.add_argument("--write", action="store_true",
+                    help="write conformance/engine/shard_durations.json (in a source checkout)")
     d = sub.add_parser("diff", help="compare two report.json files")
     d.add_argument("old")
     d.add_argument("new")
@@ -218,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     a, extra = p.parse_known_args(argv)
     handler = {"run": _cmd_run, "backends": _cmd_backends, "clauses": _cmd_clauses,
                "mutants": _cmd_mutants, "diff": _cmd_diff, "gate": _cmd_gate,
-               "memory-plan": _cmd_memory_plan, "scoreboard": _cmd_scoreboard}[a.cmd]
+               "memory-plan": _cmd_memory_plan, "scoreboard": _cmd_scoreboard,
+               "merge": _cmd_merge, "shard-durations": _cmd_shard_durations}[a.cmd]
     if extra and a.cmd not in ("run", "mutants"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "mutants":

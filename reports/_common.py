@@ -109,7 +109,8 @@ def verdict_word(report: Mapping[str, Any]) -> str:
 
     if any(c["status"] in FAILING for c in report["clauses"]) or report.get("problems"):
         return "FAIL"
-    return "PARTIAL" if report.get("deselected") else "PASS"
+    shard = (report.get("provenance") or {}).get("shard")
+    return "PARTIAL" if report.get("deselected") or shard else "PASS"
 
 
 def headline(report: Mapping[str, Any]) -> str:
@@ -138,6 +139,10 @@ def headline(report: Mapping[str, Any]) -> str:
         parts.append("not tested: " + ", ".join(gaps))
     if report.get("problems"):
         parts.append(f"{len(report['problems'])} run problem(s)")
+    shard = (report.get("provenance") or {}).get("shard")
+    if shard:
+        parts.append(f"shard {shard['k']}/{shard['n']} of a run (its clauses judged on this "
+                     "shard's tests; `rlconform merge` joins the shards)")
     return "; ".join(parts)
 
 

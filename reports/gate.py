@@ -11,7 +11,7 @@ The gate fails (exit code 1) when
   declared capability went unchecked; or left `incomplete` (its tests did not all report);
 - the run recorded `problems` (waivers naming no clause, ...);
 - clauses were left out of the run (`deselected`, e.g. by `--surfaces` or `-k`): a partial run
-  cannot ship;
+  cannot ship; nor can one shard of a sharded run (`--shard K/N`): its merge is gated;
 - against a baseline, a clause or test that passed there now fails or errors. A test whose
   failure a waiver matches now is excused: the waiver is the one reviewed, expiring way to
   accept a failure, and without this the first run after adding one could never go green;
@@ -159,6 +159,12 @@ def gate(
         reasons.append(f"problem: {problem}")
     if report.get("deselected"):
         reason = f"partial run: clauses not run: {', '.join(report['deselected'])}"
+        reasons.append(reason)
+        partial.add(reason)
+    shard = (report.get("provenance") or {}).get("shard")
+    if shard:
+        reason = (f"partial run: the report of shard {shard['k']}/{shard['n']} of a sharded run; "
+                  "join every shard's report with `rlconform merge` and gate the merged report")
         reasons.append(reason)
         partial.add(reason)
     reasons += _kill_matrix_reasons(report.get("kill_matrix"))

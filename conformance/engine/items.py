@@ -19,6 +19,18 @@ MODEL_SURFACES = ("trainer", "rollout")
 DEVICE_GROUP = "rlconform-device"
 
 
+def needs_device(ids: list[str]) -> bool:
+    """Whether a test tied to clauses `ids` uses the run's --device: it builds trainer or
+    rollout models, or starts the RANK clauses' rank processes (each builds the trainer's model
+    on the device and joins NCCL there). Every other clause test handles data structures of CPU
+    tensors, whatever --device says (`--placement host`)."""
+    from rlconform.conformance.catalogue.ranks import RANK_CLAUSES
+
+    ranks = {c.id for c in RANK_CLAUSES}
+    return any(i in ranks or (i in catalogue.BY_ID and catalogue.BY_ID[i].surface in
+                              MODEL_SURFACES) for i in ids)
+
+
 def clause_ids(item) -> list[str]:
     return [i for m in item.iter_markers("clause") for i in m.args]
 

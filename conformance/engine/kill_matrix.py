@@ -136,6 +136,8 @@ MUTANT_SELECTION_OPTIONS = ("-k", "-m")
 MUTANT_REFUSED = {
     "--backend": "each mutant is the backend of its own run; use --only NAME ...",
     "--no-report": "the kill matrix reads each mutant's report",
+    "--placement": "each mutant runs the clauses that claim it; choose the mutants with "
+                   "--mutant-surfaces",
     "--report-dir": "give it to `rlconform mutants --report-dir`",
     "--workers": "`rlconform run` takes --workers; `rlconform mutants` takes --jobs N "
                  "(worker processes)",
@@ -187,7 +189,7 @@ def mutant_args_problem(extra: list[str]) -> str | None:
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
                 full: bool = False, on_result=None, surfaces: list[str] | None = None,
-                every_test: bool = False) -> dict:
+                every_test: bool = False, shard: tuple[int, int] | None = None) -> dict:
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
@@ -197,7 +199,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     `on_result(row, done, total, elapsed_s)` is called as each mutant finishes. `surfaces`
     keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout).
     `every_test` (implied by `full`): no clause stops at its first kill, and the matrix lists,
-    per clause test function, the mutants that fail it."""
+    per clause test function, the mutants that fail it. `shard` (K, N): only shard K's share
+    of the selected mutants (engine/shards.py; `rlconform merge` joins the shards' matrices)."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -215,6 +218,13 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
             raise ValueError(f"no mutants of surfaces {odd}; mutants exist for {sorted(known)}")
         only = [n for n, m in load_all().items() if m.surface in surfaces
                 and (not only or n in only)]
+    scope = None
+    if shard is not None:
+        scope = shard_scope(extra, shard[1], only)
+        only = [n for n, k in scope.items() if k == shard[0]]
+        if not only:
+            raise ValueError(f"shard {shard[0]}/{shard[1]} holds no mutant: "
+                             f"{len(scope)} mutants in {shard[1]} shards")
     if only:
         jobs = min(jobs, len(only))
     t0 = time.time()
@@ -229,18 +239,38 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     workers = [_Worker(report_dir, extra, env) for _ in range(jobs)]
     try:
         return _drive(workers, report_dir, extra, env, only, full, on_result, t0,
-                      every_test or full)
+                      every_test or full,
+                      shard=None if shard is None else {"k": shard[0], "n": shard[1],
+                                                        "scope": scope})
     finally:
         for w in workers:
             if w.proc.poll() is None:
                 w.stop()
 
 
+def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict[str, int]:
+    """Every selected mutant -> its shard (1..n), balanced by the durations recorded for the
+    matrix's regime (shards.py), else by the cost of its claimed clauses; the same on every
+    machine of one commit (the report dir's last matrix, which orders the queue, is not used)."""
+    from rlconform.conformance.engine import shards
+    from rlconform.conformance.mutants import load_all
+
+    names = sorted(only or load_all())
+    unknown = sorted(set(names) - set(load_all()))
+    if unknown:
+        raise LookupError(f"unknown mutants {unknown}; known: {', '.join(sorted(load_all()))}")
+    expected = claims(names)
+    r = _regime(extra)
+    costs = shards.mutant_costs(names, shards.regime_key(r["device"], r["model_size"],
+                                                         r["profile"]),
+                                lambda m: _cost(expected[m], {}, m))
+    return shards.assign(costs, n)
+
+
 def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
-           on_result, t0: float, every_test: bool = False) -> dict:
+           on_result, t0: float, every_test: bool = False, shard: dict | None = None) -> dict:
     import selectors
 
-    from rlconform.conformance import catalogue
     from rlconform.conformance.mutants import load_all
     from rlconform.reports.write import write_text
 
@@ -312,9 +342,25 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
                 sel.register(w.results, selectors.EVENT_READ, w)
                 feed(w)
     ordered = [rows[n] for n in names]
+    matrix = summarize(ordered, _regime(extra), full, every_test, round(time.time() - t0, 2))
+    if shard is not None:
+        matrix["shard"] = shard
+    out = report_dir / "mutants"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
+    (out / "kill_matrix.partial.json").unlink(missing_ok=True)
+    return matrix
+
+
+def summarize(ordered: list[dict], regime: dict, full: bool, every_test: bool,
+              duration_s: float) -> dict:
+    """The kill matrix of the mutants' rows: what no clause killed, the rows with no verdict,
+    the claims that did not hold (a run's rows, or the shards' rows joined: merge.py)."""
+    from rlconform.conformance import catalogue
+
     killers = {cid for r in ordered for cid in r["failed"]}
     matrix = {
-        "regime": _regime(extra),
+        "regime": regime,
         "mutants": ordered,
         "selection": "all clauses, every test" if full else
         "claims, every test" if every_test else "claims: the clauses that name the mutant",
@@ -329,15 +375,11 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         "killed_only_by_exceptions": [{"mutant": r["name"], "clause": c} for r in ordered
                                       for c in r.get("failed_by_exception_only", ())
                                       if c in r["expected"]],
-        "duration_s": round(time.time() - t0, 2),
+        "duration_s": duration_s,
     }
     if every_test:
         matrix["tests"] = test_kills(ordered)
         matrix["tests_without_kill"] = [t for t, ms in matrix["tests"].items() if not ms]
-    out = report_dir / "mutants"
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
-    (out / "kill_matrix.partial.json").unlink(missing_ok=True)
     return matrix
 
 

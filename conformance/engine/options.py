@@ -58,6 +58,14 @@ OPTIONS: list[tuple[str, dict]] = [
     ("--surfaces", dict(default=None,
                         help="comma-separated surfaces: run only the clauses of these surfaces "
                              "(a partial run: the gate fails it)")),
+    ("--shard", dict(default=None, metavar="K/N",
+                     help="run only shard K of N of the selected tests (balanced by recorded "
+                          "durations; `rlconform merge` joins the N shard reports into one)")),
+    ("--placement", dict(default=None, choices=["device", "host"],
+                         help="run only the clauses that need --device (device: trainer and "
+                              "rollout models, the RANK clauses' rank processes) or only the "
+                              "rest (host: data structures on CPU tensors); the two parts of "
+                              "one run join with `rlconform merge`")),
     ("--wandb", dict(action="store_true",
                      help="log the summary, metrics and report files to wandb (offline by "
                           "default)")),

@@ -8,6 +8,8 @@ fixtures live in small modules, one job each, registered here:
 - collection: ties every collected test to its clauses (`@pytest.mark.clause(ID, ...)`), marks
   tests of clauses the backend does not declare as not applicable, and gives each test the
   waivers that cover it (web-platform-tests style expectations, per test: engine/verdicts.py);
+- shards: `--shard K/N` keeps shard K's share of the selection and records the whole run's
+  scope, for `rlconform merge`;
 - fixtures: the backend's surfaces and the run's settings as the clause tests receive them;
 - outcomes: each test's verdict, folded into the run's results on the controller (xdist-safe:
   everything it needs travels in the test reports' user_properties);
@@ -20,6 +22,7 @@ pytest_plugins = [
     "rlconform.conformance.engine.options",
     "rlconform.conformance.engine.session",
     "rlconform.conformance.engine.collection",
+    "rlconform.conformance.engine.shards",
     "rlconform.conformance.engine.fixtures",
     "rlconform.conformance.engine.outcomes",
     "rlconform.conformance.engine.report",

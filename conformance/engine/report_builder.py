@@ -111,11 +111,38 @@ def _metrics(tests: list[dict]) -> dict:
 
 
 def build_report(st, config) -> dict:
+    from rlconform.conformance.engine import shards
+
+    shard = shards.provenance_entry(st, config)
+    prov = provenance(st, config)
+    if shard is not None:
+        prov["shard"] = shard
+    subset = bool(config.getoption("keyword", "") or config.getoption("markexpr", "")
+                  or config.getoption("--surfaces"))
+    return assemble(st, prov, subset=subset or shard is not None,
+                    collectonly=bool(config.getoption("collectonly", False)),
+                    kill_matrix=_kill_matrix(config, st.backend.name),
+                    mutant_effects=_beside_mutants(config, st.backend.name,
+                                                   "mutant_effects.json"))
+
+
+def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
+             kill_matrix: dict | None = None, mutant_effects: dict | None = None) -> dict:
+    """The report of a run from its state: `st` holds the backend, its expectations, the
+    per-test results, the tests that reported, the selection, the exit status and the run's
+    problems (a live run's RlconformState, or the shards of one run joined: merge.py).
+    `subset`: the run left tests out on purpose (-k, --surfaces, one shard), so a waiver that
+    covers no test of it is not stale. A shard run keeps, per test, what a merge needs to
+    rebuild the verdicts (shards.record_fields), and leaves clauses whose tests all went to
+    other shards out of `deselected` (provenance.shard names them)."""
+    from rlconform.conformance.engine.shards import record_fields
+
+    shard = prov.get("shard")
     by_clause: dict[str, list[dict]] = defaultdict(list)
     # a test counts once its run is over; one stopped inside its call (Ctrl-C, a timeout's
     # SIGINT) has a passed setup only, and is counted among the tests that did not report
     done = [r for nodeid, r in st.results.items() if nodeid in st.reported]
-    unreported = Unreported(st, config)
+    unreported = Unreported(st, collectonly)
     for r in done:
         for cid in r["clauses"]:
             by_clause[cid].append(r)
@@ -124,18 +151,20 @@ def build_report(st, config) -> dict:
     problems = list(st.problems)
     from rlconform.conformance.engine.collection import applicability
 
-    selected_subset = bool(config.getoption("keyword", "") or config.getoption("markexpr", "")
-                           or config.getoption("--surfaces"))
+    elsewhere = []
+    in_scope = {cid for e in ((shard or {}).get("scope") or {}).values() for cid in e["clauses"]}
     for c in catalogue.CLAUSES:
         tests = by_clause.get(c.id, [])
         na = applicability(st.backend, c)
-        if not tests and na is None:
-            deselected.append(c.id)
-            continue
         partial = unreported.clause_note(c.id)
+        if not tests and na is None and not partial:
+            (elsewhere if c.id in in_scope else deselected).append(c.id)
+            continue
         waivers = _waiver_use(st.expectations.for_clause(c.id), tests,
-                              ran_whole=not selected_subset and not partial)
-        status = "not_applicable" if na else clause_status(tests, waivers, bool(partial))
+                              ran_whole=not subset and not partial)
+        # a selected clause none of whose tests reported is incomplete, not deselected
+        status = "not_applicable" if na else "incomplete" if partial and not tests else \
+            clause_status(tests, waivers, bool(partial))
         message = _clause_message(status, na, tests, waivers)
         if partial and status != "not_applicable":
             message = f"{partial}; {message}" if message else partial
@@ -145,7 +174,8 @@ def build_report(st, config) -> dict:
             "status": status, "message": message, "defect": c.defect,
             "mutants": list(c.mutants), "regime": c.regime,
             "duration_s": round(sum(t["duration_s"] for t in tests), 4),
-            "tests": [_test_entry(t) for t in tests],
+            "tests": [_test_entry(t) | ({"record": record_fields(t)} if shard else {})
+                      for t in tests],
             "waivers": waivers,
             **({"adapter_normalisation": st.backend.normalisations[c.id]}
                if c.id in st.backend.normalisations else {}),
@@ -168,19 +198,21 @@ def build_report(st, config) -> dict:
     unfinished = unreported.problem()
     if unfinished:
         problems.append(unfinished)
+    if shard is not None:
+        shard["clauses_elsewhere"] = elsewhere
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": st.backend.name,
         "backend_info": st.backend.describe(),
-        "provenance": provenance(st, config),
+        "provenance": prov,
         "summary": summary,
         "clauses": clauses,
         "deselected": deselected,
         "not_tested": not_tested(st.backend),
         "coverage_drops_allowed": [{"clause": k, "reason": v}
                                    for k, v in st.expectations.allow_drop.items()],
-        "kill_matrix": _kill_matrix(config, st.backend.name),
-        "mutant_effects": _beside_mutants(config, st.backend.name, "mutant_effects.json"),
+        "kill_matrix": kill_matrix,
+        "mutant_effects": mutant_effects,
         "problems": problems,
     }
 
@@ -236,13 +268,16 @@ class Unreported:
     """The selected tests of a run that did not report (the run was interrupted: Ctrl-C,
     `timeout -s INT`; or stopped early: -x, --maxfail), with their clauses."""
 
-    def __init__(self, st, config):
+    def __init__(self, st, collectonly: bool = False):
         self.interrupted = st.exitstatus == INTERRUPTED
         self.exit_name = _exit_name(st.exitstatus)
+        # why tests did not report, where the exit status does not say (a merge: a shard
+        # report not given)
+        self.why = getattr(st, "unreported_why", None)
         self.reported = len({n for n in st.reported if n in st.results})
         self.selected = None if st.selected is None else len(st.selected)
         self.missing: list[str] = []
-        if st.selected is not None and not config.getoption("collectonly", False):
+        if st.selected is not None and not collectonly:
             self.missing = [n for n in st.selected if n not in st.reported]
         # clause -> (selected tests, of them not reported), for clauses with a missing test
         self.by_clause: dict[str, list[int]] = {}
@@ -268,7 +303,8 @@ class Unreported:
         if clause_id not in self.by_clause:
             return ""
         selected, missing = self.by_clause[clause_id]
-        why = "run interrupted" if self.interrupted else f"run stopped: {self.exit_name}"
+        why = self.why or ("run interrupted" if self.interrupted
+                           else f"run stopped: {self.exit_name}")
         return f"partial: {selected - missing} of {selected} selected tests reported ({why})"
 
     def problem(self) -> str | None:
@@ -282,9 +318,9 @@ class Unreported:
             return None
         how = "interrupted" if self.interrupted else \
             f"stopped early (exit status {self.exit_name}: -x, --maxfail, ...)"
-        text = (f"run {how} before every selected test reported: "
-                f"{self.selected - len(self.missing)} of {self.selected} tests reported; "
-                "clause results are partial")
+        text = (f"run {how} before every selected test reported: " if not self.why else
+                f"{self.why}: ") + (f"{self.selected - len(self.missing)} of {self.selected} "
+                                    "tests reported; clause results are partial")
         order = {c.id: i for i, c in enumerate(catalogue.CLAUSES)}
         ids = sorted(self.by_clause, key=lambda i: (order.get(i, len(order)), i))
         if ids:

@@ -40,6 +40,8 @@ class RlconformState:
         self.started = time.time()
         self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         self.report: dict | None = None
+        # `--shard K/N`: K, N and the whole run's scope (engine/shards.py)
+        self.shard: dict | None = None
 
     def _check_requirements(self, config: pytest.Config) -> None:
         from rlconform.conformance.backend import CAPABILITIES
