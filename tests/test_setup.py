@@ -206,6 +206,27 @@ def test_a_mutant_runs_against_claims_on_other_surfaces(tmp_path):
     assert not row["missed"], row
 
 
+def test_a_mutant_run_collects_only_the_modules_of_its_claims():
+    """A kill-matrix run of a mutant collects the clause modules holding a test of the clauses
+    that claim it, every module that does, and none other; --full (no claims) the package."""
+    from rlconform.conformance.catalogue.docs import tests_by_clause
+    from rlconform.conformance.engine.mutant_worker import clause_modules
+
+    tests = tests_by_clause()
+    for ids in (["DP-TAGS"], ["DP-TAGS", "TRAIN-RATIO-ONE"], ["RANK-DP-PARITY"]):
+        want = {t.split("::")[0] for i in ids for t in tests[i]}
+        assert clause_modules(ids) == want and want, ids
+    assert clause_modules(None) is None
+
+
+def test_report_ids_drop_every_xdist_group_of_the_plugin():
+    from rlconform.conformance.engine.items import plain_nodeid
+
+    for group in ("rlconform-device-0", "rlconform-ranks"):
+        assert plain_nodeid(f"a/clauses/test_ranks.py::test_x[q-2]@{group}") == \
+            "test_ranks.py::test_x[q-2]"
+
+
 @pytest.mark.slow
 def test_write_bytecode_writes_where_the_environment_says_not_to(tmp_path):
     """nox installs the main job's packages without compiling them, then write_bytecode
