@@ -206,6 +206,54 @@ def test_a_mutant_runs_against_claims_on_other_surfaces(tmp_path):
     assert not row["missed"], row
 
 
+def test_a_mutant_run_collects_only_the_modules_of_its_claims():
+    """A kill-matrix run of a mutant collects the clause modules holding a test of the clauses
+    that claim it, every module that does, and none other; --full (no claims) the package."""
+    from rlconform.conformance.catalogue.docs import tests_by_clause
+    from rlconform.conformance.engine.mutant_worker import clause_modules
+
+    tests = tests_by_clause()
+    for ids in (["DP-TAGS"], ["DP-TAGS", "TRAIN-RATIO-ONE"], ["RANK-DP-PARITY"]):
+        want = {t.split("::")[0] for i in ids for t in tests[i]}
+        assert clause_modules(ids) == want and want, ids
+    assert clause_modules(None) is None
+
+
+def test_the_rank_clauses_share_one_xdist_worker_and_go_first():
+    """Under --dist loadgroup the tests of test_ranks.py's module-scoped rank_runs (rollouts,
+    rank processes, the steps they read) form one xdist group, collected first; others do not.
+    Collection only."""
+    from rlconform.conformance.engine.runner import pytest_args
+
+    ids: list[str] = []
+
+    class AsAWorker:
+        def pytest_configure(self, config):
+            config.option.loadgroup = True  # what xdist sets in each worker
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_modifyitems(self, items):
+            ids.extend(i.nodeid for i in items)
+
+    pytest.main(pytest_args("reference", ["--no-report", "--co", "-q", "-k",
+                                          "one_row_roundtrip or rank"], None),
+                plugins=[AsAWorker()])
+    grouped = [i for i in ids if i.endswith("@rlconform-ranks")]
+    assert any("test_ranks_step_equals_world_1" in i for i in grouped), ids
+    assert any("test_a_rank_killed_mid_step" in i for i in grouped), ids
+    assert all("test_ranks.py" in i for i in grouped), grouped
+    assert any("test_codec" in i for i in ids), ids
+    assert ids[:len(grouped)] == grouped, ids
+
+
+def test_report_ids_drop_every_xdist_group_of_the_plugin():
+    from rlconform.conformance.engine.items import plain_nodeid
+
+    for group in ("rlconform-device-0", "rlconform-ranks"):
+        assert plain_nodeid(f"a/clauses/test_ranks.py::test_x[q-2]@{group}") == \
+            "test_ranks.py::test_x[q-2]"
+
+
 @pytest.mark.slow
 def test_write_bytecode_writes_where_the_environment_says_not_to(tmp_path):
     """nox installs the main job's packages without compiling them, then write_bytecode

@@ -13,6 +13,7 @@ from rlconform.conformance.engine import verdicts
 from rlconform.conformance.engine.items import (
     CLAUSE_PROP,
     DEVICE_GROUP,
+    GROUP_PREFIX,
     MODEL_SURFACES,
     NA_PREFIX,
     clause_ids,
@@ -61,6 +62,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
             items[:] = kept
     _deselect_sizeless_families(config, items)
     _one_device_group(config, items)
+    _shared_fixture_groups(config, items)
     for item in items:
         ids = clause_ids(item)
         if not ids:
@@ -126,6 +128,32 @@ def _one_device_group(config: pytest.Config, items) -> None:
             callspec = getattr(item, "callspec", None)
             family = callspec.params.get("family") if callspec else None
             _suffix_nodeid(item, f"{DEVICE_GROUP}-{_device_group(family)}")
+            grouped.append(item)
+        else:
+            rest.append(item)
+    items[:] = grouped + rest
+
+
+# module-scoped fixtures whose tests must share one worker, and the xdist group that keeps them
+# there: `rank_runs` (clauses/test_ranks.py) generates rollouts, starts the rank processes (each
+# imports torch and transformers) and runs every (family, case, world) step that its clause
+# tests read; split over two workers, both paid all of that (~17 s of CPU on 2 cores)
+SHARED_FIXTURE_GROUPS = {"rank_runs": GROUP_PREFIX + "ranks"}
+
+
+def _shared_fixture_groups(config: pytest.Config, items) -> None:
+    """Under `--dist loadgroup`, the tests of each SHARED_FIXTURE_GROUPS fixture form one xdist
+    group, moved to the front: it is the run's longest unit (on 2 cores ~35 s against ~120 s
+    per worker), and dealt out last it would leave the other worker idle at the end. Tests
+    already in a device group (a GPU run) stay there."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers
+        return
+    grouped, rest = [], []
+    for item in items:
+        group = next((g for f, g in SHARED_FIXTURE_GROUPS.items()
+                      if f in getattr(item, "fixturenames", ())), None)
+        if group is not None and "@" + GROUP_PREFIX not in item.nodeid:
+            _suffix_nodeid(item, group)
             grouped.append(item)
         else:
             rest.append(item)

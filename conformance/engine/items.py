@@ -15,8 +15,10 @@ HYPOTHESIS_PROP = "rlconform_hypothesis"  # hypothesis' notes on a failure (outc
 NA_PREFIX = "not_applicable: "
 
 MODEL_SURFACES = ("trainer", "rollout")
+# the xdist groups the plugin makes (an "@rlconform-..." suffix of a test's id under loadgroup)
+GROUP_PREFIX = "rlconform-"
 # the xdist group of the model-building tests on a GPU (collection.one_device_group)
-DEVICE_GROUP = "rlconform-device"
+DEVICE_GROUP = GROUP_PREFIX + "device"
 
 
 def needs_device(ids: list[str]) -> bool:
@@ -39,7 +41,7 @@ def plain_nodeid(nodeid: str) -> str:
     """A test's id as reports show it: relative to the clause package (`test_codec.py::test_x[a]`,
     wherever rlconform is installed) and without the "@<group>" that xdist's loadgroup (and
     collection.suffix_nodeid) append."""
-    nodeid = nodeid.split("@" + DEVICE_GROUP)[0]
+    nodeid = nodeid.split("@" + GROUP_PREFIX)[0]
     path, sep, rest = nodeid.partition("::")
     return f"{path.rsplit('clauses/', 1)[-1]}{sep}{rest}"
 

@@ -19,7 +19,8 @@ from rlconform.conformance.engine.runner import pytest_args
 class _MutantRun:
     """pytest plugin for one mutant run inside a kill-matrix worker.
 
-    - keeps only the tests tied to `clause_ids` (None: every clause);
+    - keeps only the tests tied to `clause_ids` (None: every clause), and collects only the
+      clause modules that hold them;
     - once one test of a clause has failed on a clause assertion, the clause has killed the
       mutant: its remaining tests are skipped (`every_test=False`; a failed clause stays failed
       whatever they do). A failure by any other exception (a TypeError in the mutant) kills
@@ -34,6 +35,16 @@ class _MutantRun:
         self.clause_ids = None if clause_ids is None else set(clause_ids)
         self.every_test = every_test
         self.killed: set[str] = set()
+        self.modules = clause_modules(clause_ids)
+
+    def pytest_ignore_collect(self, collection_path: Path, config) -> bool | None:
+        """Collect only the clause modules that hold a test of the claimed clauses (test ids
+        stay those of a whole-package run)."""
+        if self.modules is not None and collection_path.suffix == ".py" and \
+                collection_path.name.startswith("test_") and \
+                collection_path.parent.name == "clauses":
+            return collection_path.name not in self.modules
+        return None
 
     @staticmethod
     def _ids(item) -> list[str]:
@@ -72,6 +83,23 @@ class _MutantRun:
             props = dict(report.user_properties)
             if (props.get("rlconform_verdict") or {}).get("kind") == "assertion":
                 self.killed.update(props.get("rlconform_clauses", ()))
+
+
+_TESTS_BY_CLAUSE: dict[str, list[str]] = {}
+
+
+def clause_modules(clause_ids: list[str] | None) -> set[str] | None:
+    """The clause module files (`test_codec.py`) holding a test tied to one of `clause_ids`; None (the
+    whole package) for None. A mutant's run collects only these: collecting all ~3,000 test
+    functions of the package took most of a small mutant's run."""
+    if clause_ids is None:
+        return None
+    if not _TESTS_BY_CLAUSE:  # read once per worker (it parses every clause module)
+        from rlconform.conformance.catalogue.docs import tests_by_clause
+
+        _TESTS_BY_CLAUSE.update(tests_by_clause())
+    files = {t.split("::", 1)[0] for c in clause_ids for t in _TESTS_BY_CLAUSE.get(c, ())}
+    return files or None
 
 
 def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,

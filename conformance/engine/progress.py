@@ -58,6 +58,7 @@ class ClauseProgress:
         if self.total is not None:
             return
         from rlconform.conformance.catalogue.docs import tests_by_clause
+        from rlconform.conformance.engine.items import plain_nodeid
 
         by_function: dict[str, list[str]] = {}
         for cid, functions in tests_by_clause().items():
@@ -65,7 +66,8 @@ class ClauseProgress:
                 by_function.setdefault(function, []).append(cid)
 
         def clauses(nodeid: str) -> list[str]:
-            path, _, name = nodeid.split("[", 1)[0].partition("::")
+            # without the "@rlconform-..." xdist group a grouped test's id ends in
+            path, _, name = plain_nodeid(nodeid).split("[", 1)[0].partition("::")
             return by_function.get(f"{path.rsplit('/', 1)[-1]}::{name.rsplit('::', 1)[-1]}", [])
 
         self._totals({i: clauses(i) for i in ids})

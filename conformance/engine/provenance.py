@@ -4,6 +4,7 @@ Python, platform), under which catalogue (its fingerprint), with which settings 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import platform
 import subprocess
@@ -25,6 +26,7 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+@functools.cache  # once per process (a kill-matrix worker writes one report per mutant)
 def _git_commit() -> str | None:
     here = Path(__file__).resolve().parent
     try:
@@ -56,12 +58,20 @@ def _device_info(device: str) -> dict:
     return info
 
 
+@functools.cache
+def _fingerprint() -> str:
+    """The catalogue's fingerprint, once per process: it parses every clause module, and a
+    kill-matrix worker writes one report per mutant (the clause modules do not change during
+    a run)."""
+    return catalogue.fingerprint()
+
+
 def provenance(st, config) -> dict:
     now = time.time()
     return {
         "rlconform_version": _version("rlconform") or "not installed (source tree)",
         "git_commit": os.environ.get("RLCONFORM_GIT_COMMIT") or _git_commit(),
-        "catalogue": catalogue.fingerprint(),
+        "catalogue": _fingerprint(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {p: v for p in KEY_PACKAGES if (v := _version(p))},

@@ -89,6 +89,18 @@ class RlconformState:
             self.interrupted_workers.add(node.gateway.id)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left alive (torch, transformers, hypothesis, the clause modules
+    and their items) out of the garbage collector: they live as long as the process, and every
+    full collection would walk them again (in each xdist worker, as in a kill-matrix worker:
+    engine/mutant_worker.py). Garbage is collected first, so nothing dead is kept."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def state(config: pytest.Config) -> RlconformState:
     return config.stash[STATE_KEY]
 
