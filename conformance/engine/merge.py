@@ -150,6 +150,7 @@ class ReportedBackend:
         self.surfaces = list(info.get("surfaces") or ())
         self.capabilities = set(info.get("capabilities") or ())
         self.notes = dict(info.get("notes") or {})
+        self.normalisations = dict(info.get("normalisations") or {})
 
     def provides(self, surface: str) -> bool:
         return surface in self.surfaces
