@@ -78,7 +78,7 @@ class BytesTransport:
         if missing:
             raise KeyError(f"keys {missing} not in partition {partition!r}")
         out = {}
-        for name in select_fields:
+        for name in [check_name("field", f) for f in select_fields]:  # refused names first
             if name not in self._layouts.get(partition, {}) or any(name not in part[k] for k in keys):
                 raise KeyError(f"field {name!r} missing in partition {partition!r}")
             jagged, dtype, trailing = self._layouts[partition][name]
