@@ -20,7 +20,8 @@ import io
 import torch
 
 from rlconform.conformance.backend import Backend
-from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
+from rlconform.reference_impl.dataplane import (JAGGED, check_name, check_names, check_tags,
+                                                column_layout)
 
 
 def _dump(t: torch.Tensor) -> bytes:
@@ -33,9 +34,11 @@ def _load(b: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(b), weights_only=True)
 
 
-def _layout(col: torch.Tensor) -> tuple:
-    trailing = tuple(col.values().shape[1:]) if col.is_nested else tuple(col.shape[1:])
-    return col.is_nested, col.dtype, trailing
+def _layout(name: str, col: torch.Tensor) -> tuple:
+    """(jagged, dtype, trailing dims); refuses what is not a column (a list, a strided nested
+    tensor, a 0-d tensor) with the reference's own check, naming the field."""
+    layout = column_layout(name, col)
+    return layout.kind == JAGGED, layout.dtype, layout.trailing
 
 
 class BytesTransport:
@@ -53,16 +56,17 @@ class BytesTransport:
         layouts = self._layouts.get(partition, {})
         for name, col in columns.items():  # check everything before storing anything
             check_name("field", name)
+            layout = _layout(name, col)
             if int(col.size(0)) != len(keys):
                 raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
-            if layouts.get(name, _layout(col)) != _layout(col):
+            if layouts.get(name, layout) != layout:
                 raise ValueError(f"column {name!r} in partition {partition!r} was written as "
-                                 f"{layouts[name]}, now as {_layout(col)}")
+                                 f"{layouts[name]}, now as {layout}")
         if not keys:
             return  # a put of no keys stores nothing
         part = self._rows.setdefault(partition, {})
         for name, col in columns.items():
-            self._layouts.setdefault(partition, {})[name] = _layout(col)
+            self._layouts.setdefault(partition, {})[name] = _layout(name, col)
             for k, row in zip(keys, col.unbind()):
                 part.setdefault(k, {})[name] = _dump(row)
         ptags = self._tags.setdefault(partition, {})
@@ -73,12 +77,15 @@ class BytesTransport:
     def get(self, partition, keys, select_fields):
         check_name("partition", partition)
         keys = [check_name("key", k) for k in keys]
+        if select_fields is None:  # refused arguments before any lookup
+            raise TypeError("select_fields is None: name the fields to get (a list of str)")
+        names = [check_name("field", f) for f in select_fields]
         part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
             raise KeyError(f"keys {missing} not in partition {partition!r}")
         out = {}
-        for name in [check_name("field", f) for f in select_fields]:  # refused names first
+        for name in names:
             if name not in self._layouts.get(partition, {}) or any(name not in part[k] for k in keys):
                 raise KeyError(f"field {name!r} missing in partition {partition!r}")
             jagged, dtype, trailing = self._layouts[partition][name]

@@ -116,6 +116,8 @@ def _layout(name: str, col) -> dict:
     if not isinstance(col, torch.Tensor):
         raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are tensors")
     if col.is_nested:
+        if col.layout is not torch.jagged:
+            raise TypeError(f"column {name!r} is a strided nested tensor; use layout=torch.jagged")
         return {"kind": "jagged", "dtype": str(col.dtype).removeprefix("torch."),
                 "trailing": list(col.values().shape[1:])}
     if col.dim() == 0:
