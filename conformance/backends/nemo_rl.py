@@ -569,6 +569,11 @@ class NemoRLTransport:
         return columns, [copy.deepcopy(merged.get(k, {})) for k in keys]
 
     def list(self, partition: str) -> list[str]:
+        # NeMo-RL's client has no list: this one is the adapter's own (it probes the keys it put
+        # with get_samples), so it refuses the names the contract refuses itself
+        from rlconform.reference_impl.dataplane import check_name
+
+        check_name("partition", partition)
         if partition not in self._registered:
             return []  # a partition holding no keys lists [] (the transport contract)
         present = []

@@ -144,6 +144,9 @@ class TransferQueueTransport:
             if not isinstance(col, torch.Tensor):
                 raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are "
                                 "tensors (TransferQueue stores a TensorDict)")
+            if col.is_nested and col.layout is not torch.jagged:
+                raise TypeError(f"column {name!r} is a strided nested tensor; use "
+                                "layout=torch.jagged")
             if col.dim() == 0:
                 raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
             if col.size(0) != len(keys):
