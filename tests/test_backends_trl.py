@@ -4,15 +4,14 @@ trainer surface, both configurations.
 What the clause waivers cannot say, these tests pin: in the cases TRL's media-slicing defects
 do not touch (text, all-image batches), each configuration does what the waivers claim, bitwise;
 the defects themselves are strict xfails with their inputs (D1, D2 in
-conformance/expectations/trl.toml, D3 TRL's own train() on a mixed dataset), so a TRL fix turns
-them into failures to act on. Skipped without trl, except under CI (the tests session installs
+conformance/expectations/trl.toml, D3 TRL's own train() on a mixed dataset, D4 its train() with
+an empty completion from a rollout_func), so a TRL fix turns them into failures to act on. Skipped without trl, except under CI (the tests session installs
 it).
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import uuid
 
@@ -138,21 +137,21 @@ def test_default_computes_no_old_or_reference_logprobs_and_forces_the_ratio():
 
 @pytest.mark.parametrize("family,images", [("text", (0, 0, 0)), ("qwen2_vl", (1, 2)),
                                            ("llava_next", (1, 0, 2))])
-def test_independent_old_pass_earns_ratio_one_and_follows_the_stored_column(family, images):
+def test_independent_old_pass_earns_ratio_one_and_the_step_recomputes_its_own(family, images):
+    """TRL's old logprobs come from `_generate_and_score_completions` inside its train step:
+    the ratio is 1 bitwise against TRL's own pass, and a stored prev column is not read."""
     batch = rollout(family, images)
     out, rec, _ = step(INDEPENDENT, family, batch)
     fetch, put = rec.fetch_before("prev_logprobs")[0], rec.put_of("prev_logprobs")[0]
-    assert fetch is not None and "input_ids" in fetch.fields
-    assert "prev_logprobs" in rec.of("get")[-1].fields, "train pass must read prev back"
+    assert fetch is not None and {"input_ids", "token_mask"} <= set(fetch.fields)
     ratio = out.metrics["probs_ratio"]
     assert ratio.numel() == int(batch["token_mask"].sum()) and put.keys
     assert bool((ratio == 1.0).all()), (
         f"ratio min {ratio.min().item():.9g} max {ratio.max().item():.9g}: the old pass "
         "(consecutive chunks) and the train pass (shuffled micro-batches) disagree")
     canary, _, _ = step(INDEPENDENT, family, batch, on_put=shift_prev)
-    want = math.exp(-0.25)
-    got = canary.metrics["probs_ratio"]
-    assert torch.allclose(got, torch.full_like(got, want), rtol=1e-5, atol=0)
+    assert bool((canary.metrics["probs_ratio"] == 1.0).all())
+    assert canary.loss == out.loss and canary.grad_norm == out.grad_norm
 
 
 def test_independent_reference_is_reloaded_from_the_saved_policy_and_stays_frozen():
@@ -189,13 +188,14 @@ def test_data_plane_step_equals_in_memory_step_bitwise(variant, family, images):
                                            ("smolvlm", (1, 1)), ("llava_next", (1, 0, 2))])
 def test_trl_logprobs_agree_with_the_reference_forward(family, images):
     """Regime: the whole batch in one TRL chunk and one reference micro-batch, fp32; TRL's
-    chunked LM head vs log-softmax of the full logits."""
+    chunked LM head vs log-softmax of the full logits, over the completion tokens (TRL's
+    padding puts the prompts on the left: the same tokens at other positions)."""
     batch = rollout(family, images)
     settings = TrainerSettings(family, micro_batch_size=len(batch))
     trl_lp = load_backend(INDEPENDENT).trainer(settings).compute_logprobs(batch, Stage.LOGPROB)
     ref_lp = GRPOCore(settings).logprobs(batch, Stage.LOGPROB)
-    mask = batch["attention_mask"].bool()
-    mask[:, 0] = False
+    mask = batch["token_mask"].bool()  # TRL scores completion tokens only
+    assert bool((trl_lp[~mask] == 0).all()), "TRL's logprobs leak onto prompt tokens or pads"
     diff = (trl_lp - ref_lp)[mask].abs()
     print(f"\n{family}: |TRL - reference| over {diff.numel()} tokens: max {diff.max():.3g} "
           f"mean {diff.mean():.3g} bitwise {float((diff == 0).float().mean()):.2f}")
@@ -297,6 +297,82 @@ def test_d3_trl_train_on_a_tiny_qwen2_vl(tmp_path, counts):
     finally:
         fam.processor.chat_template = template
     assert trainer.state.global_step == 1
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason="D4: GRPOTrainer._generate reads "
+                   "ids[-1] of every completion: an empty one from a rollout_func raises")
+def test_d4_trl_train_with_an_empty_completion_from_its_rollout_func(tmp_path):
+    """TRL's own step with a rollout_func, no adapter involved: one completion of no token.
+    Strict xfail below; docs/upstream/trl-empty-completion.py is the standalone form."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlconform.fixtures.families import build_family
+
+    fam = build_family("text")
+    prompt = fam.tokenizer("count the shapes")["input_ids"]
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [prompt] * len(prompts), "logprobs": None,
+                "completion_ids": [[] if i % 2 else prompt[:2] for i in range(len(prompts))]}
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                      num_generations=2, gradient_accumulation_steps=1, max_steps=1,
+                      use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      logging_strategy="no", disable_tqdm=True)
+    trainer = GRPOTrainer(model=fam.build_model(seed=0), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["count the shapes"] * 2}),
+                          processing_class=fam.tokenizer, rollout_func=rollout_func,
+                          reward_funcs=lambda completions, **kw: [1.0] * len(completions))
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+
+# -- the path the adapter takes ----------------------------------------------------------------
+def test_every_entered_step_of_the_declared_path_is_called():
+    """A VLM step with every pass TRL has (independent passes) and a live clip bound."""
+    from _data_path import assert_entered
+
+    from rlconform.conformance.catalogue.trainer import GRID
+
+    def run():
+        settings = TrainerSettings("qwen2_vl", loss=GRID["grad-clip"])
+        trainer = load_backend(INDEPENDENT).trainer(
+            settings, RecordingTransport(InMemoryDataPlane()), ReferenceCodec())
+        out, _, _ = step(INDEPENDENT, "qwen2_vl", rollout("qwen2_vl", (1, 2)), trainer=trainer)
+        assert out.grad_norm > GRID["grad-clip"].max_grad_norm, "the clip bound was not live"
+
+    assert_entered(load_backend(INDEPENDENT), run)
+
+
+def test_trl_trains_on_the_given_advantages_less_their_mean(monkeypatch):
+    """TRL derives advantages from rewards (scale_rewards='none', the batch one group): the
+    generation batch of its train step holds the driver's advantages minus their mean."""
+    import trl.trainer.grpo_trainer as grpo
+
+    made = []
+    real = grpo.GRPOTrainer._generate_and_score_completions
+    monkeypatch.setattr(grpo.GRPOTrainer, "_generate_and_score_completions",
+                        lambda self, inputs: made.append(real(self, inputs)) or made[-1])
+    batch = rollout("text", (0, 0, 0))
+    given = torch.tensor([1.0, -0.5, 0.75, -1.25, 0.5, -0.25])
+    legacy_step(batch, load_backend(DEFAULT).trainer(TrainerSettings("text")), advantages=given)
+    got = made[-1]["advantages"]
+    assert torch.allclose(got, given - given.mean(), rtol=0, atol=1e-7), got
+
+
+def test_an_empty_completion_adds_no_loss_token_and_no_logprob():
+    """The normalisation of an empty completion (adapter.NORMALISATIONS): the row's pad token
+    is in no loss term and out of the logprob columns."""
+    batch = _caps_rollout("text")
+    empty = [i for i in range(len(batch)) if not int(batch["token_mask"][i].sum())]
+    assert empty, "test setup: no empty completion"
+    trainer = load_backend(INDEPENDENT).trainer(TrainerSettings("text"))
+    prev = trainer.compute_logprobs(batch, Stage.LOGPROB)
+    assert bool((prev[empty] == 0).all()) and bool((prev[~batch["token_mask"].bool()] == 0).all())
+    out = legacy_step(batch, trainer, advantages=torch.linspace(-1, 1, len(batch)))
+    assert out.metrics["probs_ratio"].numel() == int(batch["token_mask"].sum())
 
 
 # -- the GRPO configuration grid: TRL's options per rlconform point ------------------------------

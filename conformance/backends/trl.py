@@ -1,28 +1,20 @@
 """TRL 1.16.0's `GRPOTrainer` as an rlconform trainer backend (two configurations).
 
-The passes run TRL's own code. What the adapter builds itself, and why no TRL function does it:
+The adapter feeds TRL what a TRL caller with an external engine holds and lets TRL do every step
+from the engine's output to the optimizer step (DATA_PATH lists them, function by function):
 
-| rlconform need | TRL 1.16.0 (`trl.trainer`) |
+| rlconform need | TRL 1.16.0 |
 |---|---|
-| the GRPO options of a point | `trl_options`: each rlconform LossConfig field to its `GRPOConfig` option (table in docs/grpo-configurations.md); a point TRL has no option for raises NotImplementedError with the reason, and the clauses report it not applicable |
-| the generation batch (prompt / completion ids and masks, media, `num_images`, advantages, old / reference / engine logprobs, `num_items_in_batch`) | built by the adapter (`trl_inputs`): TRL builds it only inside `_generate_and_score_completions`, from raw prompts and images, completions it generates itself (or a `rollout_func` returns), and advantages from its own reward functions; the trainer surface receives processed rows that another engine generated and another driver scored, and no TRL function accepts those |
-| prev / reference logprobs | `GRPOTrainer._get_per_token_logps_and_entropies(model or ref_model, ..., batch_size=per_device_train_batch_size)` under `torch.no_grad()` and `disable_gradient_checkpointing`, exactly as `_generate_and_score_completions` calls it (the data plane splits that function's two passes out); a pass runs only when TRL's own condition says so (`runs_pass`, the same condition: old logprobs when `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0` or vLLM IS correction; reference when `beta != 0`), else it returns `None` (in memory) or the meta unchanged (data plane) |
-| the train step | `GRPOTrainer.training_step` per micro-batch (HF `Trainer.training_step`: `_prepare_inputs`, whose split_pixel_values_by_grid / shuffle_sequence_dict / split_tensor_dict / unsplit build and buffer the micro-batches and reuse them over `num_iterations`; `compute_loss` -> `_compute_loss`; `accelerator.backward`), with the adapter's generation batch standing in for `_generate_and_score_completions`' result (`_Watch`); then, as `Trainer._inner_training_loop` does at the end of an accumulation window (no public function), `accelerator.clip_grad_norm_` and the optimizer of `Trainer.create_optimizer` |
-| per-token probs_ratio, clamped ratio, KL, entropy | TRL logs batch means only: `_Watch` wraps `_get_per_token_logps_and_entropies` to keep the per-token logprobs and entropies `_compute_loss` used, and reads back its `coef_1` (token or sequence level), `coef_2` and KL estimate from them and the micro-batch's old / reference logprobs; the loss itself is TRL's |
+| the generation batch | `GRPOTrainer._generate_and_score_completions` on the batch's rows as TRL's dataset rows (the prompt, its images, the driver's advantage), with a `rollout_func` returning the engine's output for them: prompt ids, completion ids, the engine's per-token logprobs and `env_mask` (the loss mask over the completion). TRL pads prompts (left) and completions (right), builds its masks, `num_images`, `num_items_in_batch`, its advantages and its old / reference logprob passes, under its own conditions |
+| media | the trainer surface carries each row's processor outputs, not its prompt messages and images: the dataset rows hold one `StoredImage` per image, and the family's processor, subclassed, answers TRL's processor call on them with those outputs (`_stored_media_processor`: media as the batch's model-input tensors, per-token type maps over each prompt, left padded). TRL's own prompt handling (`prepare_multimodal_messages`, `apply_chat_template`), image counting, type-map extension and pixel splitting run on them |
+| advantages | TRL derives advantages from rewards inside `_generate_and_score_completions`; the surface hands the driver's advantages, so the reward function returns each row's (a dataset column) and TRL runs with `scale_rewards='none'` and the generation batch as one group of `num_generations`: TRL's advantage is the given one minus the batch's mean (equal where the driver's groups are centred, as group normalisation leaves them) |
+| prev / reference logprobs | the logprob passes run `_generate_and_score_completions` on the shard and keep its `old_per_token_logps` / `ref_per_token_logps` (completion tokens only; 0 on prompt tokens), or none where TRL computes none (one iteration: no old logprobs; `beta == 0`: no reference) |
+| the train step | `Trainer.train` (transformers' loop: `accelerator.prepare`, the accumulation window of `GRPOTrainer.training_step` -> `_prepare_inputs` -> `_generate_and_score_completions` / TRL's micro-batch split -> `_compute_loss`, then clipping, the optimizer step and the scheduler) over a loader yielding the step's generation batch as TRL's RepeatSampler repeats one (num_iterations x steps_per_generation). TRL recomputes its old logprobs in the step itself: a stored prev_logprobs column is not read |
+| per-token probs_ratio, clamped ratio, KL, entropy, loss per token | TRL logs batch means only: `_LossLocals` reads `_compute_loss`'s own tensors at its return (`coef_1` before the `delta` clamp, `coef_2`, `per_token_kl` before ratio weighting, `entropies`, `per_token_loss`); loss and grad norm are those Trainer logs for each optimizer step |
 
-TRL's batch layout is `prompt_ids | completion_ids` with `logits_to_keep = completion length`.
-rlconform's batches are right padded, prompt lengths differ per row, and the logprob fetch does
-not carry them, so the adapter gives TRL the whole sequence after the first token as the
-"completion" (`logits_to_keep = S - 1`, `completion_mask` = attention) and the loss tokens as
-TRL's `tool_mask` (the completion tokens `_compute_loss` masks in: `completion_mask *
-tool_mask`). The engine's logprobs travel as TRL's `sampling_per_token_logps` (read by the loss
-only with vLLM). A generation batch is the shard padded to its own longest row (TRL pads a
-generation batch to its longest); micro-batches keep that width.
-
-Data-parallel shards run in one process, one emulated rank each: its own buffer and micro-step
-counter of `_prepare_inputs` (`_buffered_inputs`, `_step`), `num_items_in_batch` divided by the
-world size (a rank's dapo normaliser is the global count over `num_processes`, which is 1 here)
-and each rank's backward scaled by 1 / world (DDP's gradient mean).
+Where rlconform's rows and TRL's contract differ, the adapter's changes are stated per clause
+(`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token), and the
+data-parallel shards of a step, which train as one TRL process.
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -31,9 +23,9 @@ fp32 model to bf16); one `train` is every optimizer step of a generation batch (
 epochs = `num_iterations`) of `per_device_train_batch_size x steps_per_generation` rows
 (`gradient_accumulation_steps = steps_per_generation`). TRL needs the generation batch to be a
 multiple of the micro-batch size; where it is not, the micro-batch size is the largest divisor
-of the shard's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
-global RNG; the adapter seeds it per (step, shard) from `seed` inside a forked RNG, so both
-trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
+of the batch's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
+global RNG; the adapter seeds each train call from `seed` and the step inside a forked RNG, so
+both trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
 `max_tokens_per_micro_batch`) are declared as such (`SETTINGS_UNSUPPORTED`, the trainer
 factory's `settings_unsupported`) and raise ValueError naming the field if given anyway.
 
@@ -49,8 +41,9 @@ tests/test_backends_trl.py.
 from __future__ import annotations
 
 import contextlib
-import math
+import copy
 import random
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -58,28 +51,69 @@ from typing import Any
 from rlconform.conformance.backend import Backend, PathStep, package_version
 
 _GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
-# TRL's path from the generation batch to the optimizer step, as this adapter takes it (read
-# from the code below; docs/backends.md renders it)
+_GRPO_MODULE = "trl.trainer.grpo_trainer"  # helpers by the name GRPOTrainer calls them under
+# TRL's path from the engine's output to the optimizer step, as this adapter takes it
+# (docs/backends.md renders it; tests/test_backends_trl.py patches every entered function and
+# requires a call while the adapter's surfaces run)
 DATA_PATH = (
-    PathStep(f"{_GRPO}._generate_and_score_completions", "rebuilt",
-             "the adapter builds the generation batch itself (trl_inputs) and `_Watch` replaces "
-             "this method: TRL builds the batch only from raw prompts it generates for", "trainer"),
-    PathStep(f"{_GRPO}._get_per_token_logps_and_entropies", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}.get_train_dataloader", "stubbed",
+             "TRL's loader draws prompts from a dataset (RepeatSampler, each repeated "
+             "num_generations times) before generation; here the driver sampled, generated and "
+             "grouped them: the stand-in yields the step's rows as one generation batch, "
+             "repeated num_iterations x steps_per_generation times as RepeatSampler repeats "
+             "one", "trainer"),
+    PathStep("transformers.Trainer.train", "entered", surface="trainer"),
+    PathStep("transformers.Trainer._inner_training_loop", "entered", surface="trainer"),
+    PathStep("accelerate.Accelerator.prepare", "entered", surface="trainer"),
+    PathStep("transformers.Trainer._run_epoch", "entered", surface="trainer"),
     PathStep(f"{_GRPO}.training_step", "entered", surface="trainer"),
     PathStep(f"{_GRPO}._prepare_inputs", "entered", surface="trainer"),
-    PathStep("trl.trainer.utils.split_tensor_dict", "entered", surface="trainer"),
-    PathStep("trl.trainer.utils.shuffle_sequence_dict", "entered", surface="trainer"),
-    PathStep("trl.trainer.utils.split_pixel_values_by_grid", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}._generate_and_score_completions", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.prepare_multimodal_messages", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}._generate", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.pad", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.apply_chat_template", "entered", surface="trainer"),
+    PathStep("transformers.ProcessorMixin.__call__", "rebuilt",
+             "the trainer surface carries each row's processor outputs (pixel tensors, grids, "
+             "per-token type maps), not the prompt messages and images TRL hands the "
+             "processor: the family's processor, subclassed, answers the call with those "
+             "outputs, batched as the processor batches them (_stored_media_processor)",
+             "trainer"),
+    PathStep(f"{_GRPO}._get_per_token_logps_and_entropies", "entered", surface="trainer"),
+    PathStep(f"{_GRPO}._calculate_rewards", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.split_pixel_values_by_grid", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.shuffle_sequence_dict", "entered", surface="trainer"),
+    PathStep(f"{_GRPO_MODULE}.split_tensor_dict", "entered", surface="trainer"),
     PathStep(f"{_GRPO}._compute_loss", "entered", surface="trainer"),
     PathStep("transformers.Trainer.create_optimizer", "entered", surface="trainer"),
+    PathStep("transformers.Trainer._clip_grad_norm", "entered", surface="trainer"),
     PathStep("accelerate.Accelerator.clip_grad_norm_", "entered", surface="trainer"),
-    PathStep("transformers.Trainer._inner_training_loop", "rebuilt",
-             "the adapter calls clip_grad_norm_ and the optimizer step at the end of an "
-             "accumulation window itself, as this loop does (no public function)", "trainer"),
-    PathStep("accelerate.Accelerator.prepare", "rebuilt",
-             "data-parallel ranks are emulated in one process (a buffer and step counter per "
-             "rank, the backward scaled by 1/world), not run as accelerate ranks", "trainer"),
+    PathStep("torch.nn.parallel.DistributedDataParallel", "rebuilt",
+             "TRL's data-parallel ranks are processes `accelerate launch` starts, the policy "
+             "wrapped in DDP (gloo on CPU) and rewards and token counts gathered across them; "
+             "none is started here: a step's shards train as one process whose generation "
+             "batch is their rows in rank order, which stands in for DDP's gradient mean and "
+             "TRL's gathers (clauses at world > 1 see TRL at world 1)", "trainer"),
 )
+_EMPTY_COMPLETION = (
+    "a row with an empty completion (no loss token) reaches TRL's rollout_func as one pad "
+    "token outside env_mask: GRPOTrainer._generate reads ids[-1] of every completion and "
+    "raises IndexError on an empty one (docs/upstream/trl-empty-completion.py); the token "
+    "is past the row's end, in no loss term, and left out of the logprob columns")
+_ONE_PROCESS = (
+    "the step's data-parallel shards train as one TRL process, their rows (in rank order) "
+    "one generation batch: what this clause checks at world > 1 is TRL at world 1")
+# What the adapter changes between rlconform's rows and TRL before a clause judges the result
+NORMALISATIONS = {
+    **{cid: _EMPTY_COMPLETION for cid in (
+        "TRAIN-RATIO-ONE", "TRAIN-FIELD-PARITY", "TRAIN-LEGACY-PARITY", "TRAIN-INPUT-INTACT",
+        "TRAIN-REFERENCE-FROZEN", "TRAIN-LOSS-CLOSED-FORM", "TRAIN-GRAD-RECOMPUTE",
+        "TRAIN-RATIO-LATER-STEPS", "TRAIN-ORDER-FREE", "TRAIN-SPLIT-INVARIANCE",
+        "GEN-REFIT-SYNC")},
+}
+for _cid in ("TRAIN-LEGACY-PARITY", "TRAIN-SPLIT-INVARIANCE", "TRAIN-ORDER-FREE",
+             "TRAIN-GRAD-RECOMPUTE"):
+    NORMALISATIONS[_cid] += "; " + _ONE_PROCESS
 
 TRL_VERSION = "1.16.0"
 REQUIREMENTS = (f"trl=={TRL_VERSION}",)
@@ -201,7 +235,7 @@ def _stage():
 
 
 # ---------------------------------------------------------------------------------------------
-# TRL's generation batch <-> rlconform batches
+# Images per row, as TRL counts them
 # ---------------------------------------------------------------------------------------------
 def _num_images(batch, family) -> list[int] | None:
     """Images per row, as TRL's `num_images` (None for a batch without any image, as TRL).
@@ -227,28 +261,101 @@ def _num_images(batch, family) -> list[int] | None:
             for i in range(len(pv))]
 
 
-def trl_inputs(batch, stage, dtype, family) -> dict[str, Any]:
-    """TRL's generation-batch dict for `batch` (see the module docstring for the layout)."""
-    ids, attn = batch["input_ids"], batch["attention_mask"]
-    out: dict[str, Any] = {"prompt_ids": ids[:, :1], "prompt_mask": attn[:, :1],
-                           "completion_ids": ids[:, 1:], "completion_mask": attn[:, 1:]}
-    out.update(batch.multimodal_inputs(stage, dtype))
-    n = _num_images(batch, family)
-    if n is not None:
-        out["num_images"] = n
-    if stage is _stage().TRAIN:
-        out["tool_mask"] = batch["token_mask"][:, 1:].to(attn.dtype)
-        out["advantages"] = batch["advantages"].float()
-        for name, key in (("prev_logprobs", "old_per_token_logps"),
-                          ("reference_logprobs", "ref_per_token_logps"),
-                          ("generation_logprobs", "sampling_per_token_logps")):
-            if name in batch.fields:
-                out[key] = batch[name][:, 1:].float()
+# ---------------------------------------------------------------------------------------------
+# What a TRL caller with its own engine holds: prompts, the engine's completions and logprobs
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredImage:
+    """The dataset's stand-in for image `index` of row `row`: the trainer surface carries the
+    processor's output for each row, not its images (see `_StoredMediaProcessor`)."""
+
+    row: int
+    index: int
+
+
+@dataclass
+class EngineRows:
+    """A generation batch as an external engine returns it to TRL's `rollout_func`: per row the
+    prompt ids, the completion ids it sampled, its logprob of each, and which completion tokens
+    are the policy's (TRL's `env_mask`: 0 on tokens the model did not generate)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    env_mask: list[list[int]]
+    logprobs: list[list[float]] | None
+    starts: list[int]  # each row's first completion position in the batch's layout
+    lengths: list[int]  # each row's own completion tokens (0 for an empty completion)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def engine_rows(batch, pad_id: int) -> EngineRows:
+    """The batch's rows split where the engine's completion starts (the first loss token of
+    `token_mask`; a row without one has an empty completion). An empty completion goes to TRL
+    as one pad token outside `env_mask` (NORMALISATIONS: `GRPOTrainer._generate` reads
+    `ids[-1]` of every completion and raises IndexError on an empty one)."""
+    if "token_mask" not in batch.fields:
+        raise ValueError("TRL's generation batch needs each row's prompt / completion split: "
+                         "the batch has no token_mask (1 on the completion tokens the loss takes)")
+    ids, mask, lens = batch["input_ids"], batch["token_mask"], batch.seq_lens
+    gen = batch.fields.get("generation_logprobs")
+    out = EngineRows([], [], [], None if gen is None else [], [], [])
+    for i in range(len(batch)):
+        n = int(lens[i])
+        loss = mask[i, :n].nonzero()
+        start = int(loss[0]) if len(loss) else n
+        completion, env = ids[i, start:n].tolist(), mask[i, start:n].long().tolist()
+        logp = None if gen is None else gen[i, start:n].float().tolist()
+        out.starts.append(start)
+        out.lengths.append(len(completion))
+        if not completion:
+            completion, env, logp = [pad_id], [0], None if logp is None else [0.0]
+        out.prompt_ids.append(ids[i, :start].tolist())
+        out.completion_ids.append(completion)
+        out.env_mask.append(env)
+        if out.logprobs is not None:
+            out.logprobs.append(logp)
     return out
 
 
-_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
-                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+def to_columns(values, rows: EngineRows, seq_len: int):
+    """TRL's per-completion-token values `[B, C]` back to the batch's `[B, S]` layout (0 on
+    prompt tokens, which TRL does not score, and on pads)."""
+    import torch
+
+    out = torch.zeros(len(rows), seq_len, dtype=torch.float32)
+    for i, (start, n) in enumerate(zip(rows.starts, rows.lengths)):
+        out[i, start:start + n] = values[i, :n].detach().float().cpu()
+    return out
+
+
+# Only for the processor stand-in: the fixture processors have no chat template, and
+# `_generate_and_score_completions` renders the prompts before its processor call (whose text
+# the stand-in does not read: the rows' ids come from the engine)
+_GENERIC_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% elif "
+    "c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
+
+
+def _stored_media_processor(processor, core):
+    """The family's processor, with its call on images answered from the generation batch's
+    stored processor outputs (a subclass, so TRL still sees the processor it was given)."""
+    base = type(processor)
+
+    class StoredMedia(base):
+        def __call__(self, images=None, text=None, **kwargs):
+            if images is None:
+                return base.__call__(self, images=images, text=text, **kwargs)
+            return core.stored_media(images)
+
+    StoredMedia.__name__ = f"StoredMedia{base.__name__}"
+    stand_in = copy.copy(processor)
+    stand_in.__class__ = StoredMedia
+    if not getattr(stand_in, "chat_template", None):
+        stand_in.chat_template = _GENERIC_CHAT_TEMPLATE
+    return stand_in
 
 
 def micro_batch_size(rows: int, wanted: int) -> int:
@@ -281,7 +388,7 @@ def trl_micro_batches(gen: dict[str, Any], chunks: int, seed: int | None) -> lis
 
 
 # ---------------------------------------------------------------------------------------------
-# The trainer core: one GRPOTrainer, its passes
+# The trainer core: one GRPOTrainer, fed as a TRL caller with an external engine feeds it
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet_global_rng():
@@ -296,8 +403,16 @@ def _quiet_global_rng():
     np.random.set_state(npy)
 
 
+def advantage(prompts, completions, advantage, **kwargs):
+    """The reward function: each row's `advantage` column. With scale_rewards='none' and the
+    generation batch as one group, TRL's advantage is this value minus the batch's mean. The
+    rows of a logprob pass carry none (the driver puts advantages for the train pass): 0."""
+    return [0.0 if a is None else a for a in advantage]
+
+
 class TRLCore:
-    """A `GRPOTrainer` around a tiny fixture family, with rlconform's three passes."""
+    """A `GRPOTrainer` around a tiny fixture family, run as a TRL caller with an external
+    engine runs it (see the module docstring)."""
 
     def __init__(self, settings, variant: Variant, model=None):
         import torch
@@ -307,6 +422,7 @@ class TRLCore:
                 raise ValueError(f"TrainerSettings.{name} = {getattr(settings, name)!r} has no "
                                  f"TRL counterpart: {why}")
         from datasets import Dataset
+        from transformers import PrinterCallback
         from trl import GRPOConfig, GRPOTrainer
 
         from rlconform.fixtures.families import build_family
@@ -328,26 +444,31 @@ class TRLCore:
         self.options = trl_options(settings.loss, variant)
         self.args = GRPOConfig(
             output_dir=f"{path}/out", report_to="none", save_strategy="no",
-            logging_strategy="no", disable_tqdm=True, use_cpu=self.device.type == "cpu",
-            bf16=settings.dtype == torch.bfloat16, seed=settings.seed,
-            learning_rate=settings.lr, weight_decay=0.0, lr_scheduler_type="constant",
-            **self.options,
+            logging_strategy="steps", logging_steps=1, disable_tqdm=True,
+            use_cpu=self.device.type == "cpu", bf16=settings.dtype == torch.bfloat16,
+            seed=settings.seed, learning_rate=settings.lr, weight_decay=0.0,
+            lr_scheduler_type="constant", scale_rewards="none", max_steps=1, **self.options,
             # placeholders valid for any micro-batch size (the generation batch must hold
             # whole groups of num_generations); each pass sets the numbers of its batch
             per_device_train_batch_size=m, steps_per_generation=2,
             gradient_accumulation_steps=2, num_generations=2)
         processing = self.family.processor or self.family.tokenizer
+        if self.family.processor is not None:
+            processing = _stored_media_processor(processing, self)
+        self.pad_id = self.family.tokenizer.pad_token_id
+        self._serving: tuple | None = None
         with _quiet_global_rng():
             self.trainer = GRPOTrainer(
-                model=policy, reward_funcs=_no_reward, args=self.args,
+                model=policy, reward_funcs=advantage, args=self.args,
                 train_dataset=Dataset.from_dict({"prompt": ["rlconform"] * 2}),
-                processing_class=processing)
+                processing_class=processing, rollout_func=self._rollout)
         t = self.trainer
+        t.remove_callback(PrinterCallback)
+        self.logs: list[dict] = []
+        t.add_callback(_LogsTo(self.logs))
         t.model.to(self.device)
         if t.ref_model is not None:
             t.ref_model.to(self.device)
-        if self.args.gradient_checkpointing:  # as Trainer._inner_training_loop does
-            t.model.gradient_checkpointing_enable(self.args.gradient_checkpointing_kwargs)
         t.create_optimizer()
         self.optimizer = t.optimizer
         self.steps = 0
@@ -364,230 +485,264 @@ class TRLCore:
     def state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
-    # -- TRL's numbers for a batch ----------------------------------------------------------
+    # -- the generation batch, as TRL receives it -------------------------------------------
     def _configure(self, rows: int) -> tuple[int, int]:
         """Micro-batch size and count of a generation batch of `rows`, written into TRL's
-        args and the trainer's accumulation state the way a TRL user would configure them."""
+        args the way a TRL user would configure them; the batch is one group of
+        num_generations (the driver grouped and scored it)."""
         m = micro_batch_size(rows, self.settings.micro_batch_size)
         n = max(1, rows // m)
-        self.args.per_device_train_batch_size = m
-        self.args.steps_per_generation = n
-        self.args.gradient_accumulation_steps = n
-        self.trainer.current_gradient_accumulation_steps = n
+        a = self.args
+        a.per_device_train_batch_size, a.steps_per_generation = m, n
+        a.gradient_accumulation_steps, a.generation_batch_size = n, rows
+        a.num_generations = self.trainer.num_generations = rows
+        a.max_steps = self.settings.loss.epochs
         return m, n
-
-    def runs_pass(self, stage, rows: int) -> bool:
-        """Whether TRL runs this pass (`_generate_and_score_completions`'s conditions)."""
-        t, a = self.trainer, self.args
-        if stage is _stage().REFERENCE_LOGPROB:
-            return t.beta != 0.0
-        self._configure(rows)
-        return (a.gradient_accumulation_steps % (a.steps_per_generation * t.num_iterations) != 0
-                or (t.use_vllm and t.vllm_importance_sampling_correction))
 
     @staticmethod
     def generation_batch(batch):
-        """The shard as TRL pads a generation batch: to its own longest row."""
+        """The shard cut to its own longest row (TRL pads a generation batch to its longest)."""
         longest = int(batch.seq_lens.max()) if len(batch) else 0
         return batch.truncate(longest) if batch.seq_len() > longest else batch
 
-    def logprobs(self, batch, stage):
-        """`[B, S]` float32 logprobs (0 at position 0 and at pads) from TRL's function, or None
-        when TRL does not run this pass in this configuration."""
-        import torch
-        from trl.models.utils import disable_gradient_checkpointing
-
-        if not self.runs_pass(stage, len(batch)):
-            return None
-        gen = self.generation_batch(batch)
-        m, _ = self._configure(len(gen))
-        inputs = trl_inputs(gen, stage, self.settings.dtype, self.family)
-        t = self.trainer
-        model = t.ref_model if stage is _stage().REFERENCE_LOGPROB else t.model
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        kw = {k: v.to(self.device) for k, v in inputs.items() if k in _FORWARD_KEYS}
-        t.model.train()  # HF's training_step puts the policy in train mode before TRL's passes
-        with torch.no_grad(), disable_gradient_checkpointing(
-                t.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = t._get_per_token_logps_and_entropies(
-                model, ids.to(self.device), attn.to(self.device), ids.shape[1] - 1,
-                batch_size=m, num_images=inputs.get("num_images"), **kw)
-        out = torch.zeros(len(batch), batch.seq_len(), dtype=torch.float32)
-        out[:, 1:ids.shape[1]] = logps.float().cpu()
+    def _dataset_rows(self, batch, rows: EngineRows) -> list[dict]:
+        """The rows of TRL's dataset for this batch: the prompt (its ids decoded: the surface
+        keeps no prompt text), its images (conversational, as TRL's VLM examples build them)
+        and the advantage the driver gave it."""
+        decode = self.family.tokenizer.decode
+        adv = batch.fields.get("advantages")
+        counts = _num_images(batch, self.family) if self.family.processor is not None else None
+        out = []
+        for i, ids in enumerate(rows.prompt_ids):
+            text = decode(ids, skip_special_tokens=True)
+            row: dict[str, Any] = {"prompt": text,
+                                   "advantage": None if adv is None else float(adv[i])}
+            if self.family.processor is not None:
+                row["prompt"] = [{"role": "user", "content": text}]
+                row["images"] = [StoredImage(i, k) for k in range(counts[i] if counts else 0)]
+            out.append(row)
         return out
 
-    def step_seed(self, shard_index: int) -> int:
-        return (self.settings.seed * 1_000_003 + self.steps) * 1_009 + shard_index
+    @contextlib.contextmanager
+    def serving(self, batch, rows: EngineRows, stage):
+        """The engine's output (`_rollout`) and the processor outputs (`stored_media`) of
+        `batch` while TRL runs on it."""
+        self._serving = (batch, rows, stage)
+        try:
+            yield
+        finally:
+            self._serving = None
+
+    def _rollout(self, prompts, trainer) -> dict:
+        """TRL's `rollout_func`: the engine's completions of the generation batch's prompts."""
+        if self._serving is None:
+            raise RuntimeError("rollout_func called outside a pass")
+        _, rows, _ = self._serving
+        if len(prompts) != len(rows):
+            raise ValueError(f"rollout_func got {len(prompts)} prompts for a generation batch "
+                             f"of {len(rows)} rows")
+        return {"prompt_ids": rows.prompt_ids, "completion_ids": rows.completion_ids,
+                "logprobs": rows.logprobs, "env_mask": rows.env_mask}
+
+    def stored_media(self, images):
+        """The processor's outputs of the generation batch, for `images` (the StoredImage
+        lists of its rows, in row order): media as the processor batches them (the batch's
+        model-input tensors), per-token type maps over each prompt, left padded as TRL pads
+        the prompts."""
+        import torch
+        from transformers import BatchFeature
+
+        batch, rows, stage = self._serving
+        wanted = [[StoredImage(i, k) for k in range(len(x or []))] for i, x in enumerate(images)]
+        if len(images) != len(rows) or [list(x or []) for x in images] != wanted:
+            raise ValueError("the processor was called with other images than the generation "
+                             f"batch's rows hold: {images!r}")
+        out = dict(batch.multimodal_inputs(stage))
+        width = max(len(p) for p in rows.prompt_ids)
+        for name in ("token_type_ids", "mm_token_type_ids"):
+            if name in out:
+                full = out[name]
+                maps = torch.zeros(len(rows), width, dtype=full.dtype)
+                for i, start in enumerate(rows.starts):
+                    maps[i, width - start:] = full[i, :start]
+                out[name] = maps
+        return BatchFeature(out)
+
+    def _generation(self, batch, stage, inputs: list[dict] | None = None):
+        batch = self.generation_batch(batch)
+        rows = engine_rows(batch, self.pad_id)
+        return batch, rows, inputs or self._dataset_rows(batch, rows)
+
+    # -- TRL's passes ---------------------------------------------------------------------
+    def logprobs(self, batch, stage):
+        """`[B, S]` float32 logprobs (0 on prompt tokens and pads) of the old-logprob or
+        reference pass of TRL's `_generate_and_score_completions` on the batch, or None when
+        TRL runs no such pass in this configuration."""
+        gen, rows, inputs = self._generation(batch, stage)
+        self._configure(len(gen))
+        t = self.trainer
+        t.model.train()  # the mode TRL's train step calls it in
+        with self.serving(gen, rows, stage):
+            out = t._generate_and_score_completions(inputs)
+        key = "ref_per_token_logps" if stage is _stage().REFERENCE_LOGPROB \
+            else "old_per_token_logps"
+        if key not in out:
+            return None
+        return to_columns(out[key], rows, batch.seq_len())
+
+    def step_seed(self) -> int:
+        return self.settings.seed * 1_000_003 + self.steps
 
     def train(self, shards):
         """Every optimizer step of one generation batch (the point's epochs: TRL's
-        num_iterations) over every shard, through TRL's own step (see the module docstring)."""
-        import torch
-
+        num_iterations) through `Trainer.train`: the step's shards are one process's
+        generation batch (see DATA_PATH on data parallelism)."""
+        from rlconform.reference_impl.batch import Batch
         from rlconform.reference_impl.trainer import StepResult
 
-        t = self.trainer
-        shards = [self.generation_batch(_without_none(b)) for b in shards]
-        world = len(shards)
+        parts = [self.generation_batch(_without_none(b)) for b in shards if len(b)]
+        if not parts:
+            raise ValueError("train needs at least one row")
+        batch = Batch.concat(parts) if len(parts) > 1 else parts[0]
         stage = _stage().TRAIN
-        gens = [trl_inputs(b, stage, self.settings.dtype, self.family) for b in shards]
-        # TRL: num_items_in_batch = gather(loss_mask.sum()).sum() over every rank, and dapo
-        # divides each rank's loss by it / num_processes; here num_processes is 1, so each
-        # emulated rank gets the share a real rank divides by
-        items = sum((g["completion_mask"] * g["tool_mask"]).sum() for g in gens)
-        for r, gen in enumerate(gens):
-            # TRL's generation batch holds old / reference logprobs only where TRL computes them
-            if not self.runs_pass(_stage().LOGPROB, len(shards[r])):
-                gen.pop("old_per_token_logps", None)
-            if not self.runs_pass(_stage().REFERENCE_LOGPROB, len(shards[r])):
-                gen.pop("ref_per_token_logps", None)
-            gen["num_items_in_batch"] = torch.as_tensor(items) / world
-        t.model.train()
-        buffers: list = [None] * world
+        batch, rows, inputs = self._generation(batch, stage)
+        _, n = self._configure(len(batch))
+        epochs = self.settings.loss.epochs
+        t = self.trainer
+        # the loader yields the driver's generation batch as RepeatSampler repeats one: once
+        # per micro-step of every optimizer step it serves (num_iterations x
+        # steps_per_generation); TRL's per-generation state starts as its constructor sets it
+        loader = [inputs] * (epochs * n)
+        t.get_train_dataloader = lambda: loader
+        t._step, t._buffered_inputs = 0, None
+        del self.logs[:]
+        seen = _LossLocals()
+        try:
+            with self.serving(batch, rows, stage), _seeded(self.step_seed()), seen:
+                t.train()
+        finally:
+            t.__dict__.pop("get_train_dataloader", None)
+        logged = [entry for entry in self.logs if "grad_norm" in entry]
+        if len(logged) != epochs or len(seen.calls) != epochs * n:
+            raise RuntimeError(f"TRL ran {len(logged)} optimizer steps and {len(seen.calls)} "
+                               f"loss computations for {epochs} x {n}")
         results = []
-        for iteration in range(self.settings.loss.epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            total, metrics = 0.0, {}
-            for r, gen in enumerate(gens):
-                _, n = self._configure(len(shards[r]))
-                # the per-process state of a generation batch that _prepare_inputs keeps (its
-                # buffer of micro-batches and the micro-step counter), one per emulated rank:
-                # iteration 0 splits and shuffles the batch, later ones reuse the buffer
-                t._buffered_inputs, t._step = buffers[r], iteration * n
-                with _Watch(t) as seen, _ddp_mean(t.model, world):
-                    for micro in range(n):
-                        with _seeded(self.step_seed(r)) if micro == 0 and iteration == 0 \
-                                else contextlib.nullcontext():
-                            loss = t.training_step(t.model, gen, None)
-                        total += float(loss) / world
-                buffers[r] = t._buffered_inputs
-                for mb, logp, entropy in seen.calls:
-                    for k, v in self.metrics(mb, logp, entropy).items():
-                        metrics.setdefault(k, []).append(v.cpu())
-            cfg = self.settings.loss
-            params = [p for p in t.model.parameters() if p.grad is not None]
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-            # as Trainer._inner_training_loop does at the end of an accumulation window
-            grad_norm = t.accelerator.clip_grad_norm_(params, max_norm) if params \
-                else torch.zeros(())
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        for k, entry in enumerate(logged):
+            metrics: dict = {}
+            for frame in seen.calls[k * n:(k + 1) * n]:
+                for name, v in self.metrics(frame).items():
+                    metrics.setdefault(name, []).append(v.cpu())
+            items = seen.calls[k * n]["inputs"]["num_items_in_batch"]
             self.steps += 1
-            results.append(StepResult(total, {k: torch.cat(v) for k, v in metrics.items()},
-                                      float(grad_norm), {"normalizer": float(items),
-                                                         "step": self.steps}))
+            results.append(StepResult(
+                float(entry["loss"]), {name: torch_cat(v) for name, v in metrics.items()},
+                float(entry["grad_norm"]), {"normalizer": float(items), "step": self.steps}))
         first = results[0]
         if len(results) > 1:
             first.extra["optimizer_steps"] = results
         return first
 
-    def metrics(self, mb: dict, logp, entropy):
-        """What `_compute_loss` computed from TRL's own per-token logprobs, read back per token
-        over the loss tokens (TRL logs only batch means): its importance ratio coef_1 (token or
-        sequence level, before `delta`), the clamped coef_2, the KL estimate, the entropies."""
-        import torch
-
+    def metrics(self, frame: dict) -> dict:
+        """TRL's own per-token values of one `_compute_loss` call, over its loss tokens: the
+        importance ratio coef_1 (token or sequence level, before `delta`), the clamped coef_2,
+        the k3 KL estimate (before ratio weighting), the entropies, the per-token loss and,
+        with engine logprobs, the engine-vs-trainer metrics."""
         from rlconform.reference_impl.loss import generation_metrics, masked
 
         t = self.trainer
-        mask = mb["completion_mask"] * mb["tool_mask"]
-        old = mb.get("old_per_token_logps")
-        old = logp.detach() if old is None else old
-        log_ratio = logp - old
-        if t.importance_sampling_level == "sequence":
-            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
-        coef_1 = torch.exp(log_ratio).expand_as(logp)
-        coef_2 = torch.clamp(coef_1, 1 - t.epsilon_low, 1 + t.epsilon_high)
-        out = {"probs_ratio": masked(coef_1, mask), "probs_ratio_clamped": masked(coef_2, mask),
-               "clipped": masked((coef_1 != coef_2).float(), mask)}
+        mask, logp = frame["mask"], frame["per_token_logps"]
+        ratio = frame["first"]["coef_1"].expand_as(logp)
+        out = {"probs_ratio": masked(ratio, mask),
+               "loss_per_token": masked(frame["per_token_loss"].expand_as(logp), mask)}
+        if "coef_2" in frame:
+            clamped = frame["coef_2"].expand_as(logp)
+            out["probs_ratio_clamped"] = masked(clamped, mask)
+            out["clipped"] = masked((ratio != clamped).float(), mask)
         if t.beta != 0.0:
-            ref = mb["ref_per_token_logps"]
-            out["reference_kl"] = masked(torch.exp(ref - logp) - (ref - logp) - 1, mask)
-        if entropy is not None and t.entropy_coef:
-            out["entropy"] = masked(entropy, mask)
-        gen = mb.get("sampling_per_token_logps")
+            out["reference_kl"] = masked(frame["first"]["per_token_kl"], mask)
+        if t.entropy_coef:
+            out["entropy"] = masked(frame["entropies"], mask)
+        gen = frame["inputs"].get("sampling_per_token_logps")
         if gen is not None:
-            out.update(generation_metrics(gen, old.detach(), mask))
+            out.update(generation_metrics(gen, frame["old_per_token_logps"].detach(), mask))
         return out
 
 
-class _Watch:
-    """Stands in for `_generate_and_score_completions` and watches `compute_loss`.
+def torch_cat(values):
+    import torch
 
-    The generation batch reaches TRL's `_prepare_inputs` already generated and scored: no TRL
-    function takes a batch that another engine generated and another driver scored (TRL builds
-    it only inside `_generate_and_score_completions`, from raw prompts and images, its own or a
-    `rollout_func`'s completions and its own rewards), so the stand-in returns the adapter's
-    batch as that function's result; everything after it is TRL's own code. `calls` keeps, per
-    micro-batch, what `compute_loss` received and the per-token logprobs and entropies its
-    `_get_per_token_logps_and_entropies` returned."""
+    return torch.cat(values)
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.calls: list[tuple] = []
+
+class _LogsTo:
+    """A TrainerCallback keeping what Trainer logs (its loss and grad_norm of each optimizer
+    step, TRL's metrics)."""
+
+    def __init__(self, into: list):
+        self.into = into
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda args, state, control, **kwargs: None
+        raise AttributeError(name)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.into.append(dict(logs or {}))
+
+
+class _LossLocals:
+    """Observes `GRPOTrainer._compute_loss`: the locals of each call at its return (TRL logs
+    only batch means of its per-token values), plus `first`, the first value each of
+    `coef_1` and `per_token_kl` took (TRL rebinds them: the `delta` clamp, the ratio-weighted
+    KL). A trace function on that one code object; every other frame runs untraced."""
+
+    FIRST = ("coef_1", "per_token_kl")
+
+    def __init__(self):
+        self.calls: list[dict] = []
 
     def __enter__(self):
-        t = self.trainer
-        logps = type(t)._get_per_token_logps_and_entropies.__get__(t)
-        compute_loss = type(t).compute_loss.__get__(t)
-        current: dict = {}
+        import inspect
 
-        def scored(*args, **kwargs):
-            out = logps(*args, **kwargs)
-            current["logps"] = out
-            return out
+        from trl.trainer.grpo_trainer import GRPOTrainer
 
-        def loss(model, inputs, *args, **kwargs):
-            current.clear()
-            value = compute_loss(model, inputs, *args, **kwargs)
-            logp, entropy, _ = current["logps"]
-            self.calls.append((inputs, logp.detach(), None if entropy is None
-                               else entropy.detach()))
-            return value
+        code = inspect.unwrap(GRPOTrainer._compute_loss).__code__  # under any wrapper
+        first: dict = {}
 
-        t._generate_and_score_completions = lambda generation_batch: generation_batch
-        t._get_per_token_logps_and_entropies = scored
-        t.compute_loss = loss
+        def local(frame, event, arg):
+            if event == "line":
+                for name in self.FIRST:
+                    if name not in first and name in frame.f_locals:
+                        first[name] = frame.f_locals[name]
+            elif event == "return":
+                self.calls.append({**frame.f_locals, "first": dict(first)})
+                first.clear()
+            return local
+
+        def tracer(frame, event, arg):
+            if frame.f_code is code:
+                first.clear()
+                return local
+            return None
+
+        self._previous = sys.gettrace()
+        sys.settrace(tracer)
         return self
 
     def __exit__(self, *exc):
-        for name in ("_generate_and_score_completions", "_get_per_token_logps_and_entropies",
-                     "compute_loss"):
-            self.trainer.__dict__.pop(name, None)
+        sys.settrace(self._previous)
         return False
 
 
 @contextlib.contextmanager
-def _ddp_mean(model, world: int):
-    """DDP's gradient all-reduce (the mean over `world` ranks), emulated in one process: each
-    emulated rank's backward contributes 1/world of its gradient."""
-    if world == 1:
-        yield
-        return
-    hooks = [p.register_hook(lambda g: g / world) for p in model.parameters()
-             if p.requires_grad]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-@contextlib.contextmanager
 def _seeded(seed: int):
-    """TRL's shuffle_sequence_dict draws from the global torch RNG: seed it for the call that
-    shuffles, inside a forked RNG (both trainer paths then shuffle alike)."""
+    """TRL's shuffle_sequence_dict draws from the global torch RNG: seed it for the train call,
+    inside a forked RNG (both trainer paths then shuffle alike)."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-def _no_reward(prompts=None, completions=None, **kwargs):
-    """GRPOTrainer needs a reward function; rlconform's steps bring their own advantages."""
-    return [0.0] * len(completions or prompts or [])
 
 
 def _without_none(batch):
@@ -786,23 +941,28 @@ class TRLDataPlaneTrainer(_TRLTrainer):
         self.codec = codec
 
     def fetch(self, meta, stage):
+        """The fields the stage consumes (the field registry decides, as for the reference),
+        and for a logprob pass the loss mask too: TRL's `_generate_and_score_completions`,
+        which runs its logprob passes, takes each row as prompt and completion."""
         from rlconform.reference_impl.codec import WireBatch, column_field
         from rlconform.reference_impl.registry import stage_fields
 
         wanted = stage_fields(stage)  # the reference's rule, object fields' wire columns too
+        if stage is not _stage().TRAIN:
+            wanted = (*wanted, "token_mask")
         fields = [f for f in wanted if f in meta.fields] + [
             c for c in meta.fields if column_field(c) != c and column_field(c) in wanted]
         cols, tags = self.transport.get(meta.partition, meta.keys, select_fields=fields)
         return self.codec.decode(WireBatch(cols, tags))
 
     def compute_logprobs(self, meta, stage):
-        if not self.core.runs_pass(stage, len(meta.keys)):
-            return meta  # TRL does not run this pass in this configuration
         from rlconform.reference_impl.batch import Batch
 
         name = _OUTPUT[stage.value]
         batch = self.fetch(meta, stage)
         values = self.core.logprobs(batch, stage)
+        if values is None:
+            return meta  # TRL ran no such pass in this configuration
         wire = self.codec.encode(Batch({"input_lengths": batch["input_lengths"], name: values}))
         self.transport.put(meta.partition, meta.keys, {name: wire.columns[name]})
         return meta.with_fields(name)
@@ -841,6 +1001,7 @@ def _backend(variant: str) -> Backend:
         notes=dict(_NOTES),
         version=package_version("trl", "TRL"),
         data_path=DATA_PATH,
+        normalisations=dict(NORMALISATIONS),
     )
 
 
