@@ -5,7 +5,8 @@ What the clause waivers cannot say, these tests pin: in the cases TRL's media-sl
 do not touch (text, all-image batches), each configuration does what the waivers claim, bitwise;
 the defects themselves are strict xfails with their inputs (D1, D2 in
 conformance/expectations/trl.toml, D3 TRL's own train() on a mixed dataset, D4 its train() with
-an empty completion from a rollout_func), so a TRL fix turns them into failures to act on. Skipped without trl, except under CI (the tests session installs
+an empty completion from a rollout_func, P its position ids under left padding), so a TRL fix
+turns them into failures to act on. Skipped without trl, except under CI (the tests session installs
 it).
 """
 
@@ -327,6 +328,29 @@ def test_d4_trl_train_with_an_empty_completion_from_its_rollout_func(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 1
 
+
+
+@pytest.mark.xfail(strict=True, reason="P: _get_per_token_logps_and_entropies gives the model "
+                   "left-padded prompts and no position_ids: a row's positions shift by its "
+                   "padding, so its logprobs move (by rounding, under RoPE) with the prompt "
+                   "lengths of the rows beside it")
+def test_p_a_rows_logprobs_do_not_depend_on_the_rows_beside_it():
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+    from rlconform.reference_impl.rollout import HFRollout
+
+    prompts, imgs, _ = make_prompts(3, [0], seed=0)
+    batch = HFRollout(build_family("text"), TrainerSettings("text")).generate(prompts, imgs, 6)
+    lens = batch["prompt_lengths"].tolist()
+    assert len(set(lens)) > 1, f"test setup: prompts of one length {lens}"
+    trainer = load_backend(INDEPENDENT).trainer(TrainerSettings("text", micro_batch_size=1))
+    together = trainer.compute_logprobs(batch, Stage.LOGPROB)
+    for i in range(len(batch)):
+        alone = trainer.compute_logprobs(batch.select([i]), Stage.LOGPROB)[0]
+        n = alone.shape[0]
+        assert torch.equal(alone, together[i, :n]), (
+            f"row {i} (prompt {lens[i]} of {max(lens)} tokens): max |diff| "
+            f"{(alone - together[i, :n]).abs().max().item():.3g}")
 
 
 # -- the path the adapter takes ----------------------------------------------------------------

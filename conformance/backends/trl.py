@@ -193,10 +193,11 @@ def trl_options(config, variant: Variant) -> dict:
         missing.append(f"KL estimator {config.kl_estimator}: GRPOTrainer._compute_loss "
                        "estimates the KL with k3 only (exp(ref - logp) - (ref - logp) - 1)")
     if config.is_cap is not None:
-        missing.append("truncated importance sampling: TRL applies it only to vLLM generations "
-                       "(use_vllm=True with vllm_importance_sampling_correction, "
-                       "_generate_and_score_completions); its generation path without vLLM "
-                       "has no engine logprobs to correct by, and vLLM is not installed here")
+        missing.append("truncated importance sampling: TRL applies it only with use_vllm=True "
+                       "(vllm_importance_sampling_correction in "
+                       "_generate_and_score_completions); the engine logprobs a rollout_func "
+                       "returns are kept (sampling_per_token_logps) but no loss reads them "
+                       "without vLLM, and vLLM is not installed here")
     if config.mini_batches > 1:
         missing.append("mini-batches: TRL's optimizer steps within a generation batch "
                        "(steps_per_generation > gradient_accumulation_steps) take micro-batches "
