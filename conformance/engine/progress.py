@@ -49,12 +49,13 @@ class ClauseProgress:
         self.slow_s = float(os.environ.get(SLOW_ENV) or SLOW_S)
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.out = None  # the watcher's copy of the terminal (pytest_sessionstart)
 
     def _write(self, lines: list[str]) -> None:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is None or not lines:
             return
-        with self.lock:  # the watcher thread writes too
+        with self.lock:  # the watcher thread writes to the same terminal
             if tr.verbosity <= 0:
                 # progress characters (-q, or dots under xdist, where ensure_newline does not
                 # know the line is open): this test's character ends the current line
@@ -63,6 +64,7 @@ class ClauseProgress:
                 tr.ensure_newline()
             for line in lines:
                 tr.write_line(f"rlconform: {line}")
+            tr.flush()  # a CI log is a pipe: a line left in the buffer reads as a hang
 
     def _totals(self, clauses_of: dict[str, list[str]]) -> None:
         self.clauses_of = clauses_of
@@ -71,13 +73,24 @@ class ClauseProgress:
 
     # -- the running tests --------------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Start the watcher on the controller. It writes to its own copy of the terminal's
+        file descriptor, taken now, while pytest does not capture: in a run in one process
+        the test it names is running, and pytest captures what is written to fd 1 then."""
         if hasattr(self.config, "workerinput") or \
                 self.config.pluginmanager.get_plugin("terminalreporter") is None:
             return
+        try:
+            self.out = open(os.dup(1), "w", buffering=1, encoding="utf-8", closefd=True)
+        except OSError:
+            return  # no terminal to write to
         threading.Thread(target=self._watch, name="rlconform-progress", daemon=True).start()
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.stop.set()
+        with self.lock:
+            if self.out is not None:
+                self.out.close()
+                self.out = None
 
     def pytest_runtest_logstart(self, nodeid: str, location) -> None:
         if not hasattr(self.config, "workerinput"):
@@ -106,7 +119,11 @@ class ClauseProgress:
 
     def _watch(self) -> None:
         while not self.stop.wait(min(1.0, self.slow_s / 2)):
-            self._write(self.slow_lines(time.monotonic()))
+            lines = self.slow_lines(time.monotonic())
+            with self.lock:
+                if lines and self.out is not None:
+                    self.out.write("\n" + "".join(f"rlconform: {line}\n" for line in lines))
+                    self.out.flush()
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput"):
