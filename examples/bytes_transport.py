@@ -20,8 +20,13 @@ import io
 import torch
 
 from rlconform.conformance.backend import Backend
-from rlconform.reference_impl.dataplane import (JAGGED, check_name, check_names, check_tags,
-                                                column_layout)
+from rlconform.reference_impl.dataplane import (
+    JAGGED,
+    check_name,
+    check_names,
+    check_tags,
+    column_layout,
+)
 
 
 def _dump(t: torch.Tensor) -> bytes:
