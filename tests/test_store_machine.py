@@ -101,8 +101,8 @@ def test_a_waivers_input_confirms_it_or_reads_fixed(tmp_path, backend, outcome):
     waivers.write_text(WAIVER.format(expires=datetime.date.today() + datetime.timedelta(days=30)))
     out = subprocess.run(
         [sys.executable, "-m", "rlconform.conformance.cli", "run", "--backend", backend,
-         "--workers", "0", "--report-dir", str(tmp_path / "r"), "-q", "--expectations",
-         str(waivers), "-k", "test_call_sequences_equal_the_model and case"],
+         "--workers", "0", "--report-dir", str(tmp_path / "r"), "-q", "--partial-ok",
+         "--expectations", str(waivers), "-k", "test_call_sequences_equal_the_model and case"],
         capture_output=True, text=True, timeout=600)
     report = json.loads(next((tmp_path / "r").glob("*/report.json")).read_text())
     tests = [t for c in report["clauses"] for t in c.get("tests", ())
