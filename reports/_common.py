@@ -101,33 +101,96 @@ def untested(report: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
+def is_partial(report: Mapping[str, Any]) -> bool:
+    """The run left cells of applicable clauses out: clauses deselected whole, a shard's report,
+    or (schema 2.1) cells dropped inside clauses by -k, the model size, a surface selection."""
+    shard = (report.get("provenance") or {}).get("shard")
+    return bool(report.get("deselected") or shard or (report.get("cells") or {}).get("partial"))
+
+
 def verdict_word(report: Mapping[str, Any]) -> str:
     """PASS only when nothing fails, nothing is partial and the run recorded no problem;
-    PARTIAL when nothing failed but clauses were left out of the run (deselected: the gate fails
+    PARTIAL when nothing failed but cells or clauses were left out of the run (the gate fails
     it, yet "FAIL: 24 of 24 pass" would misread it); else FAIL."""
     from .model import FAILING
 
     if any(c["status"] in FAILING for c in report["clauses"]) or report.get("problems"):
         return "FAIL"
-    shard = (report.get("provenance") or {}).get("shard")
-    return "PARTIAL" if report.get("deselected") or shard else "PASS"
+    return "PARTIAL" if is_partial(report) else "PASS"
+
+
+def cells_line(report: Mapping[str, Any]) -> str:
+    """What the run judged, in cells (one collected parametrisation of a clause test): "cells:
+    217 of 257 in scope judged; 40 dropped (40 by -k 'not llava_next')"; a report that predates
+    cells says they were not recorded, and never a number it does not hold."""
+    cells = report.get("cells")
+    if not cells:
+        return "cells not recorded"
+    text = f"cells: {cells['judged']} of {cells['in_scope']} in scope judged"
+    if cells.get("dropped"):
+        why = "; ".join(f"{r['cells']} by {r['why']}" for r in cells.get("dropped_by") or ())
+        text += f"; {cells['dropped']} dropped ({why})"
+    if cells.get("unreported"):
+        text += f"; {cells['unreported']} did not report"
+    if cells.get("skipped"):
+        text += f"; {cells['skipped']} skipped"
+    if cells.get("not_applicable"):
+        text += f"; {cells['not_applicable']} not applicable"
+    if cells.get("partial") and cells.get("partial_ok"):
+        text += " (partial run intended: --partial-ok)"
+    return text
+
+
+def partial_clauses(report: Mapping[str, Any], cells_shown: int = 3
+                    ) -> list[tuple[str, str, list[str], int]]:
+    """Clauses whose cells were dropped: (id, "judged/in scope", the first dropped cells' names,
+    how many more), in report order."""
+    out = []
+    for c in report["clauses"]:
+        cells = c.get("cells") or {}
+        if not cells.get("dropped"):
+            continue
+        names = [d["cell"].rsplit("::", 1)[-1] for d in cells.get("dropped_cells") or ()]
+        out.append((c["id"], f"{cells['judged']}/{cells['in_scope']}", names[:cells_shown],
+                    cells["dropped"] - len(names[:cells_shown])))
+    return out
+
+
+def clause_cells_cell(clause: Mapping[str, Any]) -> str:
+    """A clause table's cells column: `12/14` (judged / in scope), `12/14 (2 n/a)`; `—` for a
+    report that did not record cells."""
+    cells = clause.get("cells")
+    if not cells:
+        return "—"
+    text = f"{cells['judged']}/{cells['in_scope']}"
+    if cells.get("not_applicable"):
+        text += f" ({cells['not_applicable']} n/a)"
+    return text
 
 
 def headline(report: Mapping[str, Any]) -> str:
     """The one line every renderer leads with: the verdict, the clauses that pass without a
     waiver over the applicable ones (the score), and beside it what is waived, failing and not
-    tested. An incomplete run says so instead of a score."""
+    tested, and the cells judged of those in scope. An incomplete run says so instead of a
+    score; a partial run's score is a lower bound (reports/model.score)."""
     s = report["summary"]
-    n_app = s["total"] - s.get("not_applicable", 0)
+    n_app = s["total"] - s.get("not_applicable", 0) + s.get("not_run", 0)
     incomplete = s.get("incomplete", 0) or any(
         p.startswith("run interrupted") or p.startswith("run stopped") or "no clause test ran" in p
         for p in report.get("problems") or ())
-    score = "score n/a: run incomplete" if incomplete else f"score {fmt_score(s['score'])}"
-    parts = [f"{verdict_word(report)}: {s.get('passed', 0)} of {n_app} applicable clauses pass "
-             f"without a waiver ({score})"]
+    passed = s.get("passed", 0) - s.get("passed_partial", 0)
+    lower = "not_run" in s and is_partial(report)
+    score = "score n/a: run incomplete" if incomplete else \
+        f"score {fmt_score(s['score'])}, a lower bound: partial run" if lower else \
+        f"score {fmt_score(s['score'])}"
+    every = " on every cell in scope" if lower else ""
+    parts = [f"{verdict_word(report)}: {passed} of {n_app} applicable clauses pass "
+             f"without a waiver{every} ({score})"]
     beside = [f"{s[k]} {STATUS_LABEL[k]}" for k in
               ("passed_with_waivers", "waived", "failed", "error", "xpass", "skipped",
                "incomplete") if s.get(k)]
+    if s.get("passed_partial"):
+        beside.insert(0, f"{s['passed_partial']} passed on the cells judged only (not scored)")
     if beside:
         parts.append(", ".join(beside))
     u = untested(report)
@@ -143,6 +206,7 @@ def headline(report: Mapping[str, Any]) -> str:
     if shard:
         parts.append(f"shard {shard['k']}/{shard['n']} of a run (its clauses judged on this "
                      "shard's tests; `rlconform merge` joins the shards)")
+    parts.append(cells_line(report))
     return "; ".join(parts)
 
 

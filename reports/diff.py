@@ -72,6 +72,7 @@ class ClauseChange:
     old: str | None  # status in the old report; None when the clause is new
     new: str | None  # status in the new report; None when the clause is gone
     message: str = ""
+    cells: str = ""  # cells judged before -> after, e.g. "14 -> 12 of 14"
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,12 @@ class DiffResult:
     other_status_changes: list[ClauseChange] = field(default_factory=list)
     coverage_gained: list[ClauseChange] = field(default_factory=list)
     coverage_lost: list[ClauseChange] = field(default_factory=list)
+    # judged on fewer cells than before (a filter dropped some, or they no longer apply): a pass
+    # here is not a fix
+    cells_lost: list[ClauseChange] = field(default_factory=list)
+    # cells judged in the whole run, before and after ("257 of 257", "cells not recorded")
+    old_cells: str = ""
+    new_cells: str = ""
     family_changes: list[FamilyChange] = field(default_factory=list)
     test_changes: list[TestChange] = field(default_factory=list)
     metric_regressions: list[MetricRegression] = field(default_factory=list)
@@ -150,6 +157,7 @@ class DiffResult:
         return bool(
             self.newly_failing
             or self.coverage_lost
+            or self.cells_lost
             or self.waivers_expired
             or self.metric_regressions
             or self.problems_new
@@ -170,6 +178,7 @@ class DiffResult:
                 self.other_status_changes,
                 self.coverage_gained,
                 self.coverage_lost,
+                self.cells_lost,
                 self.family_changes,
                 self.test_changes,
                 self.metric_regressions,
@@ -214,6 +223,8 @@ def diff_reports(
         new_commit=new["provenance"].get("git_commit"),
         old_score=old["summary"]["score"],
         new_score=new["summary"]["score"],
+        old_cells=_run_cells(old),
+        new_cells=_run_cells(new),
     )
     old_by = {c["id"]: c for c in old["clauses"]}
     new_by = {c["id"]: c for c in new["clauses"]}
@@ -222,11 +233,18 @@ def diff_reports(
         if o is None:
             result.clauses_added.append(ClauseChange(cid, None, c["status"], c["message"]))
             continue
-        change = ClauseChange(cid, o["status"], c["status"], c["message"])
+        before, after = _judged(o), _judged(c)
+        shrank = not before <= after  # a cell judged before is not judged now
+        cells = "" if before == after else f"{len(before)} -> {len(after)}" + (
+            f" of {c['cells']['in_scope']}" if c.get("cells") else "")
+        change = ClauseChange(cid, o["status"], c["status"], c["message"], cells)
         if o["status"] == "not_applicable" and c["status"] != "not_applicable":
             result.coverage_gained.append(change)
         elif c["status"] == "not_applicable" and o["status"] != "not_applicable":
             result.coverage_lost.append(change)
+        elif shrank and c["status"] not in FAILING:
+            # judged on fewer cells: whatever its status, not newly passing nor a fix
+            result.cells_lost.append(change)
         elif c["status"] in FAILING and o["status"] not in FAILING:
             result.newly_failing.append(change)
         elif c["status"] == "passed" and o["status"] != "passed":
@@ -284,6 +302,20 @@ def diff_reports(
     return result
 
 
+def _judged(clause: Mapping[str, Any]) -> set[str]:
+    """The cells (test ids) a clause judged: its tests that reported a verdict, in any report."""
+    return {t["nodeid"] for t in clause["tests"]
+            if t["outcome"] not in ("not_applicable", "skipped")}
+
+
+def _run_cells(report: Mapping[str, Any]) -> str:
+    cells = report.get("cells")
+    if not cells:
+        return "not recorded"
+    return f"{cells['judged']} of {cells['in_scope']}" + \
+        (f" ({cells['dropped']} dropped)" if cells.get("dropped") else "")
+
+
 def _family_changes(cid: str, old: Mapping[str, Any], new: Mapping[str, Any]
                     ) -> list[FamilyChange]:
     """Per family, what a newer run fixed (more tests pass without a waiver) or broke (fewer)."""
@@ -316,6 +348,7 @@ def render_diff(result: DiffResult) -> str:
     lines = [
         f"rlconform diff: {result.backend}{commits}",
         f"score {_fmt_score(result.old_score)} -> {_fmt_score(result.new_score)}",
+        f"cells judged (of those in scope) {result.old_cells} -> {result.new_cells}",
     ]
     if result.unchanged:
         lines.append("no changes")
@@ -328,13 +361,16 @@ def render_diff(result: DiffResult) -> str:
         for ch in changes:
             arrow = f"{ch.old or '-'} -> {ch.new or '-'}"
             note = first_line(ch.message)
-            lines.append(f"  {ch.id}  {arrow}" + (f"  {note}" if note else ""))
+            cells = f"  cells judged {ch.cells}" if ch.cells else ""
+            lines.append(f"  {ch.id}  {arrow}{cells}" + (f"  {note}" if note else ""))
 
     if result.problems_new:
         lines.append(f"new run problems ({len(result.problems_new)}):")
         lines.extend(f"  {first_line(p)}" for p in result.problems_new)
     clause_block("newly failing", result.newly_failing)
     clause_block("coverage lost (tested before, not now)", result.coverage_lost)
+    clause_block("judged on fewer cells than before (a pass here is not a fix)",
+                 result.cells_lost)
     clause_block("waivers expired", result.waivers_expired)
     if result.metric_regressions:
         lines.append(f"metric regressions ({len(result.metric_regressions)}):")

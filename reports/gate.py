@@ -10,15 +10,18 @@ The gate fails (exit code 1) when
 - a clause was skipped: the framework marks `skipped` only where the clause applied, so a
   declared capability went unchecked; or left `incomplete` (its tests did not all report);
 - the run recorded `problems` (waivers naming no clause, ...);
-- clauses were left out of the run (`deselected`, e.g. by `--surfaces` or `-k`): a partial run
-  cannot ship; nor can one shard of a sharded run (`--shard K/N`): its merge is gated;
+- clauses were left out of the run (`deselected`, e.g. by `--surfaces` or `-k`), or cells of a
+  clause (schema 2.1: a parametrisation dropped by `-k`, the model size, ...): a partial run
+  cannot ship, `--partial-ok` or not; nor can one shard of a sharded run (`--shard K/N`): its
+  merge is gated;
 - against a baseline, a clause or test that passed there now fails or errors. A test whose
   failure a waiver matches now is excused: the waiver is the one reviewed, expiring way to
   accept a failure, and without this the first run after adding one could never go green;
 - against a baseline, coverage shrank: a clause tested there is not tested now (a capability
   dropped, a surface left out, a clause deselected), unless the run names the drop as intended
   (`allow_coverage_drop`, `--allow-coverage-drop`, or `[coverage] allow_drop` in the backend's
-  expectations file, recorded in the report with its reason).
+  expectations file, recorded in the report with its reason); and, for a report that records
+  its cells, a clause judged on fewer cells than in the baseline.
 
 Exit codes: 0 the gate passed; 1 the gate failed; 2 usage error or an unreadable/invalid report
 or baseline (a baseline for another backend included), so CI can tell "red" from "broken".
@@ -32,13 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import first_line, headline, not_tested_lines
+from ._common import cells_line, first_line, headline, not_tested_lines, partial_clauses
 from .model import ACCEPTED as _ACCEPTED
 from .model import ReportValidationError, as_report
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# clauses named in the gate's reason for a partial run (each with its first dropped cells)
+CLAUSES_SHOWN = 8
 
 
 
@@ -161,6 +166,17 @@ def gate(
         reason = f"partial run: clauses not run: {', '.join(report['deselected'])}"
         reasons.append(reason)
         partial.add(reason)
+    dropped_in = partial_clauses(report)
+    if dropped_in:
+        shown = "; ".join(
+            f"{cid} {judged} ({', '.join(names)}{f', and {more} more' if more else ''})"
+            for cid, judged, names, more in dropped_in[:CLAUSES_SHOWN])
+        if len(dropped_in) > CLAUSES_SHOWN:
+            shown += f"; and {len(dropped_in) - CLAUSES_SHOWN} more clauses"
+        reason = (f"partial run: {len(dropped_in)} clauses judged on fewer cells than in scope "
+                  f"({cells_line(report)}): {shown}")
+        reasons.append(reason)
+        partial.add(reason)
     shard = (report.get("provenance") or {}).get("shard")
     if shard:
         reason = (f"partial run: the report of shard {shard['k']}/{shard['n']} of a sharded run; "
@@ -170,7 +186,8 @@ def gate(
     reasons += _kill_matrix_reasons(report.get("kill_matrix"))
 
     if baseline is not None:
-        for reason, deselected in _coverage_drops(report, baseline, allow_coverage_drop):
+        for reason, deselected in (_coverage_drops(report, baseline, allow_coverage_drop)
+                                   + _cells_lost(report, baseline, allow_coverage_drop)):
             reasons.append(reason)
             if deselected:
                 partial.add(reason)
@@ -237,6 +254,43 @@ def _coverage_drops(report: Mapping[str, Any], baseline: Mapping[str, Any],
             "is intended, pass --allow-coverage-drop " + cid + " or add it to the backend's "
             "expectations file ([coverage] allow_drop, with a reason)", deselected))
     return reasons
+
+
+def judged_cells(clause: Mapping[str, Any]) -> set[str]:
+    """The test ids a clause judged (ran, and reported a verdict): any report, cells recorded
+    or not."""
+    return {t["nodeid"] for t in clause["tests"]
+            if t["outcome"] not in ("not_applicable", "skipped")}
+
+
+def _cells_lost(report: Mapping[str, Any], baseline: Mapping[str, Any],
+                allowed: Iterable[str]) -> list[tuple[str, bool]]:
+    """One reason per clause tested in both reports that judged cells in the baseline it does
+    not judge now (dropped by a filter, not applicable now, did not report), unless allowed,
+    with whether filters' drops explain it (a partial run). Only a report that recorded its
+    cells is judged so: a cell of an older report may have been renamed since."""
+    if not report.get("cells"):
+        return []
+    allowed = set(allowed)
+    declared = {d["clause"] for d in report.get("coverage_drops_allowed") or ()}
+    old = {c["id"]: c for c in baseline["clauses"] if c["status"] != "not_applicable"}
+    out = []
+    for c in report["clauses"]:
+        if c["id"] not in old or c["status"] == "not_applicable" or "all" in allowed \
+                or c["id"] in allowed or c["id"] in declared:
+            continue
+        before, now = judged_cells(old[c["id"]]), judged_cells(c)
+        if len(now) >= len(before):
+            continue
+        lost = sorted(before - now)
+        names = ", ".join(n.rsplit("::", 1)[-1] for n in lost[:3]) + \
+            (f", and {len(lost) - 3} more" if len(lost) > 3 else "")
+        dropped = bool((c.get("cells") or {}).get("dropped"))
+        out.append((f"coverage lost: {c['id']} judged {len(before)} cells in the baseline and "
+                    f"{len(now)} now ({names}); if this is intended, pass --allow-coverage-drop "
+                    f"{c['id']} or add it to the backend's expectations file ([coverage] "
+                    "allow_drop, with a reason)", dropped))
+    return out
 
 
 def _kill_matrix_reasons(km: Mapping[str, Any] | None) -> list[str]:

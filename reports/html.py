@@ -18,6 +18,8 @@ from typing import Any
 from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
+    cells_line,
+    clause_cells_cell,
     data_path_summary,
     family_matrix,
     first_line,
@@ -33,6 +35,7 @@ from ._common import (
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
+    partial_clauses,
     scope_text,
     sorted_clauses,
 )
@@ -297,6 +300,7 @@ def _clause_view(clause: Mapping[str, Any], plotted: set[tuple[str, str]]) -> di
         "n_tests": len(tests),
         "n_passed": sum(t["outcome"] == "passed" for t in tests),
         "n_waived": sum(t["outcome"] == "waived" for t in tests),
+        "cells": clause_cells_cell(clause),
         "tests": tests,
         "metrics": metrics,
         "waivers": [{**w, "scope_text": scope_text(w)} for w in clause.get("waivers") or ()],
@@ -377,6 +381,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         "kill": kill,
         "problems": report.get("problems") or [],
         "deselected": report.get("deselected") or [],
+        "cells_line": cells_line(report),
+        "partial_clauses": partial_clauses(report, 5),
         "not_tested": not_tested_lines(report),
         "data_path": data_path_summary(report),
         "effects": None if not (report.get("mutant_effects") or {}).get("rows") else {

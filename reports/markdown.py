@@ -14,6 +14,8 @@ from ._common import (
     EFFECT_HEADER,
     STATUS_LABEL,
     STATUS_MARK,
+    cells_line,
+    clause_cells_cell,
     data_path_summary,
     family_matrix,
     flatten,
@@ -26,6 +28,7 @@ from ._common import (
     mutant_effect_caption,
     mutant_effect_rows,
     not_tested_lines,
+    partial_clauses,
     scope_text,
     sorted_clauses,
 )
@@ -35,6 +38,8 @@ from .model import FAILING, STATUSES
 MESSAGE_LIMIT = 1500  # per failure message: a traceback-sized message must not bury the rest
 TESTS_LIMIT = 5  # failing tests listed per clause; a parametrized clause can fail dozens
 NOTE_LIMIT = 120  # the clause table's note column stays one line wide
+PARTIAL_LIMIT = 20  # clauses with dropped cells listed under "Not run in this report"
+CELLS_SHOWN = 5  # ... each with its first dropped cells
 
 
 def escape(text: Any, limit: int | None = None) -> str:
@@ -160,9 +165,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines.append(f"- adapter normalisation, {escape(cid)}: {escape(text)}")
         if path["normalisations"]:
             lines.append("")
-    if report.get("deselected"):
+    dropped_in = partial_clauses(report, CELLS_SHOWN)
+    if report.get("deselected") or dropped_in:
         lines.append("### Not run in this report")
-        lines.append(f"- partial run; clauses not run: {escape(', '.join(report['deselected']))}")
+        lines.append(f"- {escape(cells_line(report))}")
+        if report.get("deselected"):
+            lines.append("- partial run; clauses not run: "
+                         f"{escape(', '.join(report['deselected']))}")
+        for cid, judged, names, more in dropped_in[:PARTIAL_LIMIT]:
+            lost = ", ".join(_code(n) for n in names) + (f" and {more} more" if more else "")
+            lines.append(f"- partial clause {escape(cid)}: cells {judged} judged; dropped {lost}")
+        if len(dropped_in) > PARTIAL_LIMIT:
+            lines.append(f"- … and {len(dropped_in) - PARTIAL_LIMIT} more clauses judged on "
+                         "fewer cells than in scope (report.json names their cells)")
         lines.append("")
     if report.get("problems"):
         lines.append("### Run problems")
@@ -209,12 +224,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 escape(c.get("surface") or "—"),
                 STATUS_LABEL[c["status"]] + ("" if c.get("required", True) else " (advisory)"),
                 tests,
+                clause_cells_cell(c),
                 fmt_duration(c.get("duration_s")),
                 escape(c["message"], NOTE_LIMIT),
             ]
         )
-    lines.extend(_table(["", "Clause", "Surface", "Status", "Passed tests", "Time", "Note"],
-                        rows))
+    lines.extend(_table(["", "Clause", "Surface", "Status", "Passed tests", "Cells judged",
+                         "Time", "Note"], rows))
     lines.append("")
 
     families, matrix = family_matrix(report)

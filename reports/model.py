@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 # Clause statuses in schema order; renderers sort by STATUS_SEVERITY instead, worst first.
@@ -125,6 +125,22 @@ def _check_semantics(report: Mapping[str, Any], source: str | None) -> None:
             f"says {summary['total']} but the report has {len(report['clauses'])} clauses",
             source,
         )
+    if "not_run" in summary:
+        shard = (report.get("provenance") or {}).get("shard") or {}
+        not_run = len(report.get("deselected") or ()) + len(shard.get("clauses_elsewhere") or ())
+        if summary["not_run"] != not_run:
+            raise ReportValidationError(
+                "$.summary.not_run",
+                f"says {summary['not_run']} but {not_run} applicable clauses are deselected or "
+                "in another shard", source)
+    if "passed_partial" in summary:
+        partial = sum(c["status"] == "passed" and bool((c.get("cells") or {}).get("dropped"))
+                      for c in report["clauses"])
+        if summary["passed_partial"] != partial:
+            raise ReportValidationError(
+                "$.summary.passed_partial",
+                f"says {summary['passed_partial']} but {partial} passed clauses have dropped "
+                "cells", source)
     expected = score(summary)
     # 0.005 admits a writer that rounds to two decimals, not a different definition of score.
     if (expected is None) != (summary["score"] is None) or (
@@ -204,28 +220,44 @@ def as_report(report_or_path: Mapping[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def applicable(summary: Mapping[str, int]) -> int:
-    return summary["total"] - summary.get("not_applicable", 0)
+    """Clauses that apply to the backend: those judged (total - not_applicable) and, from
+    schema 2.1, those the run left out whole (`not_run`: deselected, or in another shard)."""
+    return summary["total"] - summary.get("not_applicable", 0) + summary.get("not_run", 0)
 
 
 def score(summary: Mapping[str, int]) -> float | None:
-    """Clauses passed *without* a waiver / applicable clauses (total - not_applicable).
+    """Clauses passed *without* a waiver on every cell in scope / applicable clauses.
 
     A waiver is a reviewed, dated exception the gate accepts, but it is not conformance: waived
     and passed-with-waivers clauses are shown beside the score, never folded in. None when
     nothing applied: 0/0 is not a score.
+
+    Over a partial run (schema 2.1: cells dropped by -k, --surfaces, the model size, a shard)
+    the score is a lower bound of the whole run's: a clause that passed only on the cells it
+    judged (`passed_partial`) is not counted, and clauses left out whole (`not_run`) stay in
+    the denominator, so dropping cells can never raise it. A report of schema 2.0 has neither
+    count: its score is passed / (total - not_applicable), as it was written.
     """
     n = applicable(summary)
     if n <= 0:
         return None
-    return summary.get("passed", 0) / n
+    return (summary.get("passed", 0) - summary.get("passed_partial", 0)) / n
 
 
-def summarize_clauses(clauses: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The `summary` block for a list of clauses (writers use it so counts cannot drift)."""
+def summarize_clauses(clauses: Iterable[Mapping[str, Any]],
+                      not_run: int | None = None) -> dict[str, Any]:
+    """The `summary` block for a list of clauses (writers use it so counts cannot drift).
+    `not_run`: applicable clauses the run left out whole (a writer of schema 2.1 gives it,
+    and the summary then counts `passed_partial`, the passed clauses with dropped cells)."""
     clauses = list(clauses)
     counts = Counter(c["status"] for c in clauses)
     summary: dict[str, Any] = {status: counts[status] for status in STATUSES}
     summary["total"] = len(clauses)
+    if not_run is not None:
+        summary["not_run"] = not_run
+        summary["passed_partial"] = sum(
+            c["status"] == "passed" and bool((c.get("cells") or {}).get("dropped"))
+            for c in clauses)
     summary["score"] = score(summary)
     return summary
 

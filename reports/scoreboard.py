@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import STATUS_LABEL, STATUS_MARK, family_cell, fmt_score, untested
+from ._common import (
+    STATUS_LABEL,
+    STATUS_MARK,
+    cells_line,
+    family_cell,
+    fmt_score,
+    is_partial,
+    untested,
+)
 from .model import STATUSES, ReportValidationError, load_report
 
 ABSENT = "absent"
@@ -215,10 +223,15 @@ def family_summary(entry: Entry, family: str) -> str:
 def score_cells(entry: Entry) -> list[str]:
     """score | passed with waivers | waived | failing | not tested (by choice / capability)."""
     s = entry.report["summary"]
-    n_app = s["total"] - s.get("not_applicable", 0)
+    n_app = s["total"] - s.get("not_applicable", 0) + s.get("not_run", 0)
     failing = sum(s.get(k, 0) for k in ("failed", "error", "xpass", "skipped", "incomplete"))
     u = untested(entry.report)
-    return [f"{fmt_score(s['score'])} ({s.get('passed', 0)}/{n_app})",
+    passed = s.get("passed", 0) - s.get("passed_partial", 0)
+    # a partial run's score is a lower bound (reports/model.score); a report that recorded no
+    # cells (schema 2.0) is shown as it was written
+    partial = f", a lower bound: partial run, {cells_line(entry.report)}" \
+        if "not_run" in s and is_partial(entry.report) else ""
+    return [f"{fmt_score(s['score'])} ({passed}/{n_app}{partial})",
             str(s.get("passed_with_waivers", 0)), str(s.get("waived", 0)), str(failing),
             f"{u['by_choice']} / {u['by_capability']}"]
 

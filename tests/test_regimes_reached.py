@@ -76,7 +76,7 @@ def reached(tmp_path_factory):
     names = sorted({t.split("::")[1] for t in _drawing_tests()})
     cmd = [sys.executable, "-m", "rlconform.conformance.cli", "run", "--backend", "reference",
            "--profile", "ci", "--workers", "0", "--report-dir", str(tmp / "out"), "-q",
-           "-k", " or ".join(names)]
+           "--partial-ok", "-k", " or ".join(names)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200,
                           env={**os.environ, OBSERVE_ENV: str(log)})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -223,6 +223,13 @@ def test_merged_shards_give_the_verdicts_of_the_unsharded_run(real_run):
     report, _ = merge(parts, tmp / "merged")
     assert _verdicts(report) == _verdicts(one)
     assert report["summary"] == one["summary"] and report["deselected"] == one["deselected"]
+    # the cells of the run: every shard's split undone, the run's own filters kept
+    assert report["cells"] == one["cells"] and one["cells"]["partial"]
+    assert "shard" not in {r["by"] for r in report["cells"]["dropped_by"]}
+    for p in parts:
+        alone = json.loads(p.read_text())
+        assert "shard" in {r["by"] for r in alone["cells"]["dropped_by"]}
+        assert "shard" not in alone["cells"]["partial_by"], "a shard is partial by design"
     assert report["problems"] == one["problems"]
     on_disk = load_report(tmp / "merged" / "report.json")  # the schema holds
     assert not any("record" in t for c in on_disk["clauses"] for t in c["tests"]), \

@@ -61,3 +61,51 @@ def test_every_world_holds_confusable_pairs_the_contract_allows():
             for name in role:
                 check_name("name", name)
                 assert eval(alphabet.source(name)) == name  # noqa: S307 - our own source
+
+
+# -- a waiver's input is replayed before the search --------------------------------------------
+WAIVER = """
+[[waiver]]
+clause = "DP-STORE-MODEL"
+category = "backend-bug"
+reason = "list of a partition never written raises KeyError"
+input = "t.put('p', [], {{}}, None); t.list('P')  # KeyError, [] expected"
+tests = ["test_call_sequences_equal_the_model"]
+match = "list raised KeyError: .*; the contract says it succeeds"
+expires = {expires}
+"""
+
+
+def test_parse_input_reads_the_calls_a_waiver_names():
+    from rlconform.conformance.clauses.test_store_machine import parse_input
+
+    calls = parse_input("t.put('p', ['k'], {'f': seeded(torch.bfloat16, (2,), 0)[::2]}, None); "
+                        "cols, tags = t.get('p', ['k', 'k'], [])  # a comment")
+    assert [m for m, _ in calls] == ["put", "get"]
+    put = calls[0][1]
+    assert put[2].value["f"].source == "seeded(torch.bfloat16, (2,), 0)[::2]"
+    assert tuple(put[2].value["f"].value.shape) == (1,)
+    with pytest.raises(ValueError, match="is not a call t.{put, get, list, clear}"):
+        parse_input("backend.transport().list('p')")
+
+
+@pytest.mark.parametrize("backend, outcome", [
+    ("mutant:list_of_unknown_partition_raises", "waived"),  # the input shows the defect
+    ("reference", "xpass"),  # the defect is gone: the waiver reads fixed, whatever the search did
+])
+def test_a_waivers_input_confirms_it_or_reads_fixed(tmp_path, backend, outcome):
+    import datetime
+    import json
+
+    waivers = tmp_path / "w.toml"
+    waivers.write_text(WAIVER.format(expires=datetime.date.today() + datetime.timedelta(days=30)))
+    out = subprocess.run(
+        [sys.executable, "-m", "rlconform.conformance.cli", "run", "--backend", backend,
+         "--workers", "0", "--report-dir", str(tmp_path / "r"), "-q", "--partial-ok",
+         "--expectations", str(waivers), "-k", "test_call_sequences_equal_the_model and case"],
+        capture_output=True, text=True, timeout=600)
+    report = json.loads(next((tmp_path / "r").glob("*/report.json")).read_text())
+    tests = [t for c in report["clauses"] for t in c.get("tests", ())
+             if "test_call_sequences_equal_the_model" in t["nodeid"]]
+    assert [t["outcome"] for t in tests] == [outcome], (tests, out.stdout[-3000:])
+    assert (out.returncode == 0) == (outcome == "waived"), out.stdout[-3000:]

@@ -9,7 +9,7 @@ import pytest
 
 from rlconform.conformance import catalogue
 from rlconform.conformance.backend import SURFACES, Backend
-from rlconform.conformance.engine import verdicts
+from rlconform.conformance.engine import cells, verdicts
 from rlconform.conformance.engine.items import (
     CLAUSE_PROP,
     DEVICE_GROUP,
@@ -51,15 +51,11 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         if unknown:
             raise pytest.UsageError(f"--surfaces names unknown surfaces {unknown}; "
                                     f"known: {', '.join(SURFACES)}")
-        kept, dropped = [], []
-        for item in items:
-            ids = clause_ids(item)
-            on = any(i in catalogue.BY_ID and set(catalogue.BY_ID[i].surfaces) & keep_surfaces
-                     for i in ids)
-            (kept if on else dropped).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
+        dropped = [item for item in items
+                   if not any(i in catalogue.BY_ID
+                              and set(catalogue.BY_ID[i].surfaces) & keep_surfaces
+                              for i in clause_ids(item))]
+        cells.drop(config, items, dropped, "surfaces", f"--surfaces {surfaces}")
     _deselect_sizeless_families(config, items)
     _one_device_group(config, items)
     _shared_fixture_groups(config, items)
@@ -87,7 +83,8 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
 def _deselect_sizeless_families(config: pytest.Config, items) -> None:
     """At a model size a family lacks (production: the 7-8B families), its trainer and rollout
     tests are deselected, never skipped or silently run at another size; the report's
-    provenance names the size and the models."""
+    provenance names the size and the models, and its cells name each family dropped (the
+    run is partial)."""
     from rlconform.fixtures.sizes import has_size, model_size
 
     size = model_size()
@@ -100,9 +97,9 @@ def _deselect_sizeless_families(config: pytest.Config, items) -> None:
                         if i in catalogue.BY_ID)
         if isinstance(family, str) and on_models and not has_size(family, size):
             dropped.append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [i for i in items if i not in dropped]
+    cells.drop(config, items, dropped, "model_size",
+               lambda item: f"--model-size {size}: family {item.callspec.params['family']!r} "
+                            f"has no {size} model (fixtures/sizes.py)")
 
 
 def _one_device_group(config: pytest.Config, items) -> None:

@@ -223,11 +223,28 @@ class MergedRun:
             for s in shards:
                 if s.get("scope_unknown"):
                     self.problems.append(f"shard {s['k']}/{n}{of}: {s['scope_unknown']}")
+        self.cells = _merged_cells([r["provenance"]["shard"] for r in reports])
         statuses = [r["provenance"]["shard"].get("exitstatus") for r in reports]
         self.exitstatus = INTERRUPTED if INTERRUPTED in statuses else next(
             (x for x in statuses if x not in (0, 1, None)), 0)
         self.unreported_why = (f"shard(s) {', '.join(self.missing)} not merged"
                                if self.missing else None)
+
+
+def _merged_cells(shards: list[dict]):
+    """The run's cells record from its shards' (cells.merged); None when a shard report
+    predates it (its report then says the cells were not recorded)."""
+    from rlconform.conformance.engine.cells import Ledger, merged
+
+    if any("dropped" not in s or s.get("scope") is None for s in shards):
+        return None
+    ledgers = []
+    for s in shards:
+        scope = {n: e["clauses"] for n, e in s["scope"].items()}
+        scope.update({n: d["clauses"] for n, d in s["dropped"].items()})
+        ledgers.append((Ledger(scope, {n: (d["by"], d["why"]) for n, d in s["dropped"].items()}),
+                        set(s["scope"])))
+    return merged(ledgers)
 
 
 def _result(t: dict, clause: str) -> dict:
@@ -288,7 +305,8 @@ def merge_runs(items: list[tuple[str, dict]], kill_matrix: dict | None = None,
         (r["mutant_effects"] for r in reports if r.get("mutant_effects")), None)
     reference = st.backend.name == "reference"  # as a run: only its report carries them
     return assemble(st, prov, subset=subset, kill_matrix=km if reference else None,
-                    mutant_effects=effects if reference else None)
+                    mutant_effects=effects if reference else None,
+                    partial_ok=any(s.get("partial_ok") for s in shards))
 
 
 _SAME_MATRIX = {

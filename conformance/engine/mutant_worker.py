@@ -63,12 +63,11 @@ class _MutantRun:
     def pytest_collection_modifyitems(self, session, config, items) -> None:
         if self.clause_ids is None:
             return
-        kept, dropped = [], []
-        for item in items:
-            (kept if set(self._ids(item)) & self.clause_ids else dropped).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
+        from rlconform.conformance.engine import cells
+
+        cells.drop(config, items,
+                   [i for i in items if not set(self._ids(i)) & self.clause_ids],
+                   "kill_matrix", "kill matrix: a clause that does not claim this mutant")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item) -> None:

@@ -58,6 +58,11 @@ OPTIONS: list[tuple[str, dict]] = [
     ("--surfaces", dict(default=None,
                         help="comma-separated surfaces: run only the clauses of these surfaces "
                              "(a partial run: the gate fails it)")),
+    ("--partial-ok", dict(action="store_true",
+                          help="a partial run is intended: exit 0 although a filter (-k, -m, "
+                               "--deselect, --surfaces, the model size) dropped cells of "
+                               "applicable clauses; the report records it and still reads "
+                               "PARTIAL (the gate fails it)")),
     ("--shard", dict(default=None, metavar="K/N",
                      help="run only shard K of N of the selected tests (balanced by recorded "
                           "durations; `rlconform merge` joins the N shard reports into one)")),

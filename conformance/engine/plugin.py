@@ -5,6 +5,8 @@ fixtures live in small modules, one job each, registered here:
 - options: the plugin's options and hypothesis profiles;
 - session: loads the backend (`--backend`) and its waivers (`--expectations`) into the run's
   state, checks the profile's capabilities and the GPU memory plan;
+- cells: records the cells collection produced before any filter, and which filter dropped
+  which (engine/cells.py), so a report shows cells judged of cells in scope;
 - collection: ties every collected test to its clauses (`@pytest.mark.clause(ID, ...)`), marks
   tests of clauses the backend does not declare as not applicable, and gives each test the
   waivers that cover it (web-platform-tests style expectations, per test: engine/verdicts.py);
@@ -21,6 +23,7 @@ fixtures live in small modules, one job each, registered here:
 pytest_plugins = [
     "rlconform.conformance.engine.options",
     "rlconform.conformance.engine.session",
+    "rlconform.conformance.engine.cells",
     "rlconform.conformance.engine.collection",
     "rlconform.conformance.engine.shards",
     "rlconform.conformance.engine.fixtures",

@@ -6,17 +6,30 @@ so far) and one when every selected test of a clause has reported:
 
     rlconform: DP-NAMES done: 3 tests, 0 failed  [12/25 clauses, 151/513 tests, 0 failed]
 
-It reads the test reports the controller sees (also under xdist) and the clause of each test
-from its report's properties (set by rlconform.conformance.engine.plugin).
+and, once a test has run longer than a few seconds (RLCONFORM_SLOW_TEST_S, default 5), a line
+naming it and how long it has run, repeated every 30 s while it runs, so that a slow store
+does not look hung:
+
+    rlconform: running test_store_machine.py::test_store_model[case] (DP-STORE-MODEL): 35 s
+
+It reads the test reports the controller sees (also under xdist: workers forward the start and
+end of each test) and the clause of each test from its report's properties (set by
+rlconform.conformance.engine.plugin).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import Counter
 
 import pytest
 
 CLAUSE_PROP = "rlconform_clauses"
+SLOW_ENV = "RLCONFORM_SLOW_TEST_S"
+SLOW_S = 5.0  # a test running longer than this is named, with its time so far
+REPEAT_S = 30.0  # ... and again every this many seconds while it runs
 
 
 class ClauseProgress:
@@ -29,23 +42,88 @@ class ClauseProgress:
         self.tests_done = 0
         self.tests_total = 0
         self.seen: set[str] = set()
+        self.clauses_of: dict[str, list[str]] = {}
+        # the tests running now (node id -> when it started), and when each was last named
+        self.running: dict[str, float] = {}
+        self.named: dict[str, float] = {}
+        self.slow_s = float(os.environ.get(SLOW_ENV) or SLOW_S)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.out = None  # the watcher's copy of the terminal (pytest_sessionstart)
 
     def _write(self, lines: list[str]) -> None:
         tr = self.config.pluginmanager.get_plugin("terminalreporter")
         if tr is None or not lines:
             return
-        if tr.verbosity <= 0:
-            # progress characters (-q, or dots under xdist, where ensure_newline does not
-            # know the line is open): this test's character ends the current line
-            tr.write("\n")
-        else:
-            tr.ensure_newline()
-        for line in lines:
-            tr.write_line(f"rlconform: {line}")
+        with self.lock:  # the watcher thread writes to the same terminal
+            if tr.verbosity <= 0:
+                # progress characters (-q, or dots under xdist, where ensure_newline does not
+                # know the line is open): this test's character ends the current line
+                tr.write("\n")
+            else:
+                tr.ensure_newline()
+            for line in lines:
+                tr.write_line(f"rlconform: {line}")
+            tr.flush()  # a CI log is a pipe: a line left in the buffer reads as a hang
 
     def _totals(self, clauses_of: dict[str, list[str]]) -> None:
+        self.clauses_of = clauses_of
         self.total = Counter(c for ids in clauses_of.values() for c in ids)
         self.tests_total = len(clauses_of)
+
+    # -- the running tests --------------------------------------------------------------------
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Start the watcher on the controller. It writes to its own copy of the terminal's
+        file descriptor, taken now, while pytest does not capture: in a run in one process
+        the test it names is running, and pytest captures what is written to fd 1 then."""
+        if hasattr(self.config, "workerinput") or \
+                self.config.pluginmanager.get_plugin("terminalreporter") is None:
+            return
+        try:
+            self.out = open(os.dup(1), "w", buffering=1, encoding="utf-8", closefd=True)
+        except OSError:
+            return  # no terminal to write to
+        threading.Thread(target=self._watch, name="rlconform-progress", daemon=True).start()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.stop.set()
+        with self.lock:
+            if self.out is not None:
+                self.out.close()
+                self.out = None
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        if not hasattr(self.config, "workerinput"):
+            self.running[nodeid] = time.monotonic()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
+        self.running.pop(nodeid, None)
+        self.named.pop(nodeid, None)
+
+    def slow_lines(self, now: float) -> list[str]:
+        """A line for each test that has run past the threshold and was not named in the last
+        REPEAT_S seconds."""
+        from rlconform.conformance.engine.items import plain_nodeid
+
+        lines = []
+        for nodeid, started in list(self.running.items()):
+            ran = now - started
+            last = self.named.get(nodeid)
+            if ran < self.slow_s or (last is not None and now - last < REPEAT_S):
+                continue
+            self.named[nodeid] = now
+            clauses = self.clauses_of.get(nodeid) or []
+            of = f" ({', '.join(clauses)})" if clauses else ""
+            lines.append(f"running {plain_nodeid(nodeid)}{of}: {ran:.0f} s")
+        return lines
+
+    def _watch(self) -> None:
+        while not self.stop.wait(min(1.0, self.slow_s / 2)):
+            lines = self.slow_lines(time.monotonic())
+            with self.lock:
+                if lines and self.out is not None:
+                    self.out.write("\n" + "".join(f"rlconform: {line}\n" for line in lines))
+                    self.out.flush()
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput"):

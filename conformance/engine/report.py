@@ -20,8 +20,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return
     st = state(config)
     st.exitstatus = exitstatus
+    from rlconform.conformance.engine import stopping
     from rlconform.conformance.engine.report_builder import build_report
 
+    st.stopped_by = stopping.received()
     report = build_report(st, config)
     report_dir = None
     if not config.getoption("--no-report"):
@@ -40,14 +42,41 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
         _print_summary(tr, report, report_dir)
+        if report.get("cells") and report["cells"]["partial_ok"] and report["cells"]["partial"]:
+            tr.write_line("  partial run intended (--partial-ok): recorded in the report; "
+                          "the gate still fails it")
     interrupted = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR,
                                  pytest.ExitCode.INTERNAL_ERROR, STORE_UNREACHABLE_EXIT)
     if interrupted:
         return
     collection_failed = session.testsfailed and not st.results
+    refused = _partial_refused(report, config)
+    if refused and tr is not None:
+        tr.write_line(f"  {refused}")
     session.exitstatus = (pytest.ExitCode.TESTS_FAILED
-                          if failing or report["problems"] or collection_failed
+                          if failing or report["problems"] or collection_failed or refused
                           else pytest.ExitCode.OK)
+
+
+def _partial_refused(report: dict, config: pytest.Config) -> str | None:
+    """Why a partial run exits non-zero (a filter dropped cells of applicable clauses, and the
+    run was not told a partial run is intended), or None. A shard's or part's split is partial
+    by design: its merge is judged."""
+    from rlconform.conformance.engine.cells import needs_consent
+
+    if config.getoption("collectonly", False) or config.getoption("--partial-ok"):
+        return None
+    cells = report.get("cells")
+    if cells is not None:
+        if not needs_consent(cells):
+            return None
+        by = ", ".join(cells["partial_by"])
+    elif report.get("deselected") and not (report["provenance"].get("shard")):
+        by = "deselection"  # cells not recorded: clauses left out whole still count
+    else:
+        return None
+    return (f"PARTIAL run ({by} dropped cells in scope): exit status 1; pass --partial-ok "
+            "when a partial run is intended (the report still reads PARTIAL)")
 
 
 def _safe(name: str) -> str:
@@ -86,7 +115,9 @@ def _print_summary(tr, report: dict, report_dir: Path | None) -> None:
         if c["status"] != "passed" or c["message"]:  # a passed clause's note: partial evidence
             if c["status"] == "not_applicable":
                 continue  # listed once per surface or capability below
-            tr.write_line(f"  {c['status'].upper():19} {c['id']}: {c['message'][:160]}")
+            label = c["status"].upper() + (" (PARTIAL)" if (c.get("cells") or {}).get("dropped")
+                                           else "")
+            tr.write_line(f"  {label:19} {c['id']}: {c['message'][:200]}")
     for e in report.get("not_tested") or ():
         tr.write_line(f"  NOT TESTED          {e['kind']} {e['name']} ({len(e['clauses'])} "
                       f"clauses): {e['why'][:120]}")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from rlconform.conformance import catalogue
 from rlconform.conformance.engine.provenance import provenance
-
-SCHEMA_VERSION = "2.0"
+from rlconform.reports.model import SCHEMA_VERSION
 
 
 def clause_status(tests: list[dict], waivers: list[dict] | None = None,
@@ -117,24 +116,31 @@ def build_report(st, config) -> dict:
     prov = provenance(st, config)
     if shard is not None:
         prov["shard"] = shard
+    if getattr(st, "stopped_by", None):
+        prov["stopped_by"] = st.stopped_by
     subset = bool(config.getoption("keyword", "") or config.getoption("markexpr", "")
                   or config.getoption("--surfaces"))
     return assemble(st, prov, subset=subset or shard is not None,
                     collectonly=bool(config.getoption("collectonly", False)),
+                    partial_ok=bool(config.getoption("--partial-ok")),
                     kill_matrix=_kill_matrix(config, st.backend.name),
                     mutant_effects=_beside_mutants(config, st.backend.name,
                                                    "mutant_effects.json"))
 
 
 def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
-             kill_matrix: dict | None = None, mutant_effects: dict | None = None) -> dict:
+             kill_matrix: dict | None = None, mutant_effects: dict | None = None,
+             partial_ok: bool = False) -> dict:
     """The report of a run from its state: `st` holds the backend, its expectations, the
-    per-test results, the tests that reported, the selection, the exit status and the run's
-    problems (a live run's RlconformState, or the shards of one run joined: merge.py).
+    per-test results, the tests that reported, the selection, the cells collection produced
+    and those filters dropped (cells.py), the exit status and the run's problems (a live run's
+    RlconformState, or the shards of one run joined: merge.py).
     `subset`: the run left tests out on purpose (-k, --surfaces, one shard), so a waiver that
     covers no test of it is not stale. A shard run keeps, per test, what a merge needs to
     rebuild the verdicts (shards.record_fields), and leaves clauses whose tests all went to
-    other shards out of `deselected` (provenance.shard names them)."""
+    other shards out of `deselected` (provenance.shard names them). `partial_ok`: the user
+    said a partial run is intended (`--partial-ok`), recorded in the report's cells."""
+    from rlconform.conformance.engine import cells
     from rlconform.conformance.engine.shards import record_fields
 
     shard = prov.get("shard")
@@ -153,6 +159,8 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
 
     elsewhere = []
     in_scope = {cid for e in ((shard or {}).get("scope") or {}).values() for cid in e["clauses"]}
+    ledger = cells.ledger_of(st)
+    cells_by_clause = ledger.by_clause() if ledger is not None else {}
     for c in catalogue.CLAUSES:
         tests = by_clause.get(c.id, [])
         na = applicability(st.backend, c)
@@ -160,14 +168,19 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
         if not tests and na is None and not partial:
             (elsewhere if c.id in in_scope else deselected).append(c.id)
             continue
+        counted = None if ledger is None else cells.clause_cells(
+            c.id, na, tests, ledger, cells_by_clause.get(c.id, []),
+            unreported.by_clause.get(c.id, [0, 0])[1])
+        dropped = bool(counted and counted["dropped"])
         waivers = _waiver_use(st.expectations.for_clause(c.id), tests,
-                              ran_whole=not subset and not partial)
+                              ran_whole=not subset and not partial and not dropped)
         # a selected clause none of whose tests reported is incomplete, not deselected
         status = "not_applicable" if na else "incomplete" if partial and not tests else \
             clause_status(tests, waivers, bool(partial))
         message = _clause_message(status, na, tests, waivers)
-        if partial and status != "not_applicable":
-            message = f"{partial}; {message}" if message else partial
+        note = "; ".join(n for n in (partial, cells.clause_note(counted or {})) if n)
+        if note and status != "not_applicable":
+            message = f"{note}; {message}" if message else note
         clauses.append({
             "id": c.id, "title": c.must, "surface": c.surface,
             "capabilities": list(c.capabilities), "required": c.required,
@@ -181,6 +194,7 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
                if c.id in st.backend.normalisations else {}),
             "by_family": _by_family(tests),
             "metrics": _metrics(tests),
+            **({"cells": counted} if counted is not None else {}),
         })
         for t in tests:
             if t.get("unimplemented"):
@@ -192,7 +206,7 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
                 break
     from rlconform.reports.model import summarize_clauses
 
-    summary = summarize_clauses(clauses)
+    summary = summarize_clauses(clauses, not_run=len(deselected) + len(elsewhere))
     if not done:
         problems.append("no clause test ran")
     unfinished = unreported.problem()
@@ -200,6 +214,9 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
         problems.append(unfinished)
     if shard is not None:
         shard["clauses_elsewhere"] = elsewhere
+    run_cells = None if ledger is None else cells.run_cells(
+        clauses, {cid: cells_by_clause.get(cid, []) for cid in deselected + elsewhere}, ledger,
+        partial_ok)
     return {
         "schema_version": SCHEMA_VERSION,
         "backend": st.backend.name,
@@ -208,6 +225,7 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
         "summary": summary,
         "clauses": clauses,
         "deselected": deselected,
+        **({"cells": run_cells} if run_cells is not None else {}),
         "not_tested": not_tested(st.backend),
         "coverage_drops_allowed": [{"clause": k, "reason": v}
                                    for k, v in st.expectations.allow_drop.items()],
@@ -271,6 +289,8 @@ class Unreported:
     def __init__(self, st, collectonly: bool = False):
         self.interrupted = st.exitstatus == INTERRUPTED
         self.exit_name = _exit_name(st.exitstatus)
+        signal = getattr(st, "stopped_by", None)
+        self.how = f"interrupted by {signal}" if signal else "interrupted"
         # why tests did not report, where the exit status does not say (a merge: a shard
         # report not given)
         self.why = getattr(st, "unreported_why", None)
@@ -303,7 +323,7 @@ class Unreported:
         if clause_id not in self.by_clause:
             return ""
         selected, missing = self.by_clause[clause_id]
-        why = self.why or ("run interrupted" if self.interrupted
+        why = self.why or (f"run {self.how}" if self.interrupted
                            else f"run stopped: {self.exit_name}")
         return f"partial: {selected - missing} of {selected} selected tests reported ({why})"
 
@@ -311,12 +331,12 @@ class Unreported:
         if self.selected is None:
             if not self.interrupted:
                 return None
-            return (f"run interrupted before every selected test reported: {self.reported} "
+            return (f"run {self.how} before every selected test reported: {self.reported} "
                     "tests reported, the selection is unknown (interrupted before collection "
                     "ended); clause results are partial")
         if not self.missing:
             return None
-        how = "interrupted" if self.interrupted else \
+        how = self.how if self.interrupted else \
             f"stopped early (exit status {self.exit_name}: -x, --maxfail, ...)"
         text = (f"run {how} before every selected test reported: " if not self.why else
                 f"{self.why}: ") + (f"{self.selected - len(self.missing)} of {self.selected} "

@@ -31,14 +31,18 @@ def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") ->
 
 def run(backend: str = "reference", extra: list[str] | None = None,
         workers: str | None = "auto") -> int:
-    """One pytest session in this process; returns its exit code."""
+    """One pytest session in this process; returns its exit code (128 + the signal's number
+    when SIGTERM or SIGINT stopped it: its report is written first, engine/stopping.py)."""
     from rlconform.conformance.backend import load_backend
+    from rlconform.conformance.engine import stopping
 
     _importable_from_here(backend)
     b = load_backend(backend)
     if b.session.__name__ != "_no_session" and workers == "auto":
         workers = "0"  # a backend with its own cluster runs in one process
-    return int(pytest.main(pytest_args(backend, extra or [], workers)))
+    with stopping.reporting_on_signals():
+        code = int(pytest.main(pytest_args(backend, extra or [], workers)))
+    return stopping.exit_code(code)
 
 
 # exit code of a run whose backend could not be judged because a system it needs is not there

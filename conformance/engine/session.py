@@ -42,6 +42,11 @@ class RlconformState:
         self.report: dict | None = None
         # `--shard K/N`: K, N and the whole run's scope (engine/shards.py)
         self.shard: dict | None = None
+        # the cells collection produced and those a filter dropped (engine/cells.py); under
+        # xdist the controller reads a worker's (cells.ledger_of)
+        self.cells = None
+        # the signal that stopped the run (SIGTERM, SIGINT), when one did (engine/stopping.py)
+        self.stopped_by: str | None = None
 
     def _check_requirements(self, config: pytest.Config) -> None:
         from rlconform.conformance.backend import CAPABILITIES

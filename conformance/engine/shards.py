@@ -172,6 +172,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
         raise pytest.UsageError(str(exc)) from exc
     if spec is None:
         return
+    from rlconform.conformance.engine import cells
     from rlconform.conformance.engine.items import (
         clause_ids,
         is_model_test,
@@ -183,10 +184,10 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
 
     placement = config.getoption("--placement")
     if placement:
-        here = [needs_device(clause_ids(i)) == (placement == "device") for i in items]
-        if not all(here):
-            config.hook.pytest_deselected(items=[i for i, h in zip(items, here) if not h])
-            items[:] = [i for i, h in zip(items, here) if h]
+        other = "host" if placement == "device" else "device"
+        cells.drop(config, items,
+                   [i for i in items if needs_device(clause_ids(i)) != (placement == "device")],
+                   "placement", f"--placement {placement} (the {other} part's share)")
     k, n = spec
     ids = {plain_nodeid(i.nodeid): i for i in items}
     families = {}
@@ -203,7 +204,6 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
                         config.getoption("--profile"))
     costs = test_costs({i: is_model_test(item) for i, item in ids.items()}, regime, families)
     where = assign(costs, n, groups)
-    kept = [i for i in items if where[plain_nodeid(i.nodeid)] == k]
     dropped = [i for i in items if where[plain_nodeid(i.nodeid)] != k]
     info = {
         "k": k, "n": n, "regime": regime, "placement": placement,
@@ -215,9 +215,8 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items) -> None
     state(config).shard = info
     if hasattr(config, "workeroutput"):  # an xdist worker: the controller reads it at its end
         config.workeroutput[SHARD_OUTPUT] = info
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    cells.drop(config, items, dropped, "shard",
+               lambda item: f"--shard {k}/{n} (in shard {where[plain_nodeid(item.nodeid)]}/{n})")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the plugin loads without xdist
@@ -249,6 +248,14 @@ def provenance_entry(st, config) -> dict | None:
     if info.get("scope") is None:
         info["scope_unknown"] = "no worker reported the shard's scope (interrupted before " \
                                 "collection ended?)"
+    from rlconform.conformance.engine.cells import ledger_of
+
+    ledger = ledger_of(st)
+    if ledger is not None:  # what the split did not drop: the merge tells a partial run by it
+        info["dropped"] = {n: {"clauses": ledger.scope.get(n, []), "by": kind, "why": why}
+                           for n, (kind, why) in sorted(ledger.dropped.items())
+                           if kind != "shard"}
+    info["partial_ok"] = bool(config.getoption("--partial-ok"))
     return info
 
 

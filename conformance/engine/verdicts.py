@@ -254,6 +254,14 @@ def waive_step(failure: BaseException) -> bool:
     return True
 
 
+def waiver_inputs() -> list[tuple[str, str]]:
+    """(label, input) of each covering waiver of the running test that names its input. A
+    stateful check replays them before it explores: what a search reaches depends on the path
+    it takes, so a known defect is confirmed (or found fixed) on its own input every run."""
+    ctx = _CURRENT.get()
+    return [(w.label, w.input) for w in ctx.waivers if w.input] if ctx is not None else []
+
+
 @contextlib.contextmanager
 def example_waivers(item) -> Iterator[None]:
     """Around a test's call: property-test examples see the test's covering waivers."""
