@@ -14,7 +14,8 @@ from the engine's output to the optimizer step (DATA_PATH lists them, function b
 
 Where rlconform's rows and TRL's contract differ, the adapter's changes are stated per clause
 (`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token), and the
-data-parallel shards of a step, which train as one TRL process.
+data-parallel ranks of a step, emulated in one process (each shard its rank's generation batch,
+the backward scaled by 1/world, one optimizer step; TRL's gathers see one rank).
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -90,10 +91,13 @@ DATA_PATH = (
     PathStep("accelerate.Accelerator.clip_grad_norm_", "entered", surface="trainer"),
     PathStep("torch.nn.parallel.DistributedDataParallel", "rebuilt",
              "TRL's data-parallel ranks are processes `accelerate launch` starts, the policy "
-             "wrapped in DDP (gloo on CPU) and rewards and token counts gathered across them; "
-             "none is started here: a step's shards train as one process whose generation "
-             "batch is their rows in rank order, which stands in for DDP's gradient mean and "
-             "TRL's gathers (clauses at world > 1 see TRL at world 1)", "trainer"),
+             "wrapped in DDP (gloo on CPU); none is started here: each shard trains as one "
+             "rank sees it, in one process (its own generation batch through "
+             "_generate_and_score_completions, its own _step / _buffered_inputs, its "
+             "micro-steps in the accumulation window), each rank's backward scaled by 1/world "
+             "(DDP's gradient mean) and one optimizer step over the summed gradients; TRL's "
+             "gathers across ranks see one rank (num_processes 1): advantages are centred and "
+             "the dapo token count taken over the rank's own shard", "trainer"),
 )
 _EMPTY_COMPLETION = (
     "a row with an empty completion (no loss token) reaches TRL's rollout_func as one pad "
@@ -101,8 +105,10 @@ _EMPTY_COMPLETION = (
     "raises IndexError on an empty one (docs/upstream/trl-empty-completion.py); the token "
     "is past the row's end, in no loss term, and left out of the logprob columns")
 _ONE_PROCESS = (
-    "the step's data-parallel shards train as one TRL process, their rows (in rank order) "
-    "one generation batch: what this clause checks at world > 1 is TRL at world 1")
+    "the step's data-parallel ranks are emulated in one process (DATA_PATH: "
+    "DistributedDataParallel): each shard is its rank's generation batch, gradients are "
+    "averaged over the ranks, and TRL's gathers across ranks (advantage centring, the dapo "
+    "token count) see the rank's own shard only")
 # What the adapter changes between rlconform's rows and TRL before a clause judges the result
 NORMALISATIONS = {
     **{cid: _EMPTY_COMPLETION for cid in (
@@ -411,6 +417,19 @@ def advantage(prompts, completions, advantage, **kwargs):
     return [0.0 if a is None else a for a in advantage]
 
 
+@dataclass
+class _Rank:
+    """One data-parallel rank's generation batch and the per-process state TRL keeps of it."""
+
+    batch: Any
+    rows: EngineRows
+    inputs: list[dict]
+    micro_batch_size: int
+    micro_steps: int
+    step: int = 0  # GRPOTrainer._step
+    buffered: Any = None  # GRPOTrainer._buffered_inputs
+
+
 class TRLCore:
     """A `GRPOTrainer` around a tiny fixture family, run as a TRL caller with an external
     engine runs it (see the module docstring)."""
@@ -596,52 +615,97 @@ class TRLCore:
 
     def train(self, shards):
         """Every optimizer step of one generation batch (the point's epochs: TRL's
-        num_iterations) through `Trainer.train`: the step's shards are one process's
-        generation batch (see DATA_PATH on data parallelism)."""
-        from rlconform.reference_impl.batch import Batch
+        num_iterations) through `Trainer.train`, each data-parallel shard as one rank sees it
+        (see DATA_PATH on data parallelism)."""
         from rlconform.reference_impl.trainer import StepResult
 
-        parts = [self.generation_batch(_without_none(b)) for b in shards if len(b)]
-        if not parts:
-            raise ValueError("train needs at least one row")
-        batch = Batch.concat(parts) if len(parts) > 1 else parts[0]
+        world = len(shards)
         stage = _stage().TRAIN
-        batch, rows, inputs = self._generation(batch, stage)
-        _, n = self._configure(len(batch))
+        ranks = []
+        for shard in shards:
+            if not len(shard):
+                continue  # an empty rank adds no gradient; DDP still divides by the world
+            batch, rows, inputs = self._generation(_without_none(shard), stage)
+            m = micro_batch_size(len(batch), self.settings.micro_batch_size)
+            ranks.append(_Rank(batch, rows, inputs, m, len(batch) // m))
+        if not ranks:
+            raise ValueError("train needs at least one row")
         epochs = self.settings.loss.epochs
+        window = sum(r.micro_steps for r in ranks)  # micro-steps of one optimizer step
         t = self.trainer
-        # the loader yields the driver's generation batch as RepeatSampler repeats one: once
-        # per micro-step of every optimizer step it serves (num_iterations x
-        # steps_per_generation); TRL's per-generation state starts as its constructor sets it
-        loader = [inputs] * (epochs * n)
+        a = self.args
+        a.gradient_accumulation_steps, a.max_steps = window, epochs
+        # the loader yields, per optimizer step, each rank's generation batch once per micro-step
+        # it serves (rank order); each rank's batch repeats as RepeatSampler repeats one
+        # (num_iterations x steps_per_generation)
+        loader = [r.inputs for _ in range(epochs) for r in ranks for _ in range(r.micro_steps)]
+        slots = [r for _ in range(epochs) for r in ranks for _ in range(r.micro_steps)]
+        step = type(t).training_step.__get__(t)
+
+        def rank_step(model, inputs, num_items_in_batch):
+            """One micro-step of the rank whose generation batch `inputs` is: TRL's per-process
+            state of a generation batch (its micro-step counter and buffer, its batch and
+            accumulation sizes) swapped in around GRPOTrainer.training_step."""
+            r = slots.pop(0)
+            self._rank_config(r)
+            t._step, t._buffered_inputs = r.step, r.buffered
+            window_steps = t.current_gradient_accumulation_steps
+            t.current_gradient_accumulation_steps = r.micro_steps
+            try:
+                with self.serving(r.batch, r.rows, stage):
+                    return step(model, inputs, num_items_in_batch)
+            finally:
+                r.step, r.buffered = t._step, t._buffered_inputs
+                t.current_gradient_accumulation_steps = window_steps
+                a.gradient_accumulation_steps = window
+
         t.get_train_dataloader = lambda: loader
-        t._step, t._buffered_inputs = 0, None
+        t.training_step = rank_step
         del self.logs[:]
         seen = _LossLocals()
         try:
-            with self.serving(batch, rows, stage), _seeded(self.step_seed()), seen:
+            with _seeded(self.step_seed()), _ddp_mean(t.model, world), seen:
                 t.train()
         finally:
-            t.__dict__.pop("get_train_dataloader", None)
+            for name in ("get_train_dataloader", "training_step"):
+                t.__dict__.pop(name, None)
         logged = [entry for entry in self.logs if "grad_norm" in entry]
-        if len(logged) != epochs or len(seen.calls) != epochs * n:
+        if len(logged) != epochs or len(seen.calls) != epochs * window:
             raise RuntimeError(f"TRL ran {len(logged)} optimizer steps and {len(seen.calls)} "
-                               f"loss computations for {epochs} x {n}")
+                               f"loss computations for {epochs} x {window}")
         results = []
         for k, entry in enumerate(logged):
             metrics: dict = {}
-            for frame in seen.calls[k * n:(k + 1) * n]:
+            calls = seen.calls[k * window:(k + 1) * window]
+            for frame in calls:
                 for name, v in self.metrics(frame).items():
                     metrics.setdefault(name, []).append(v.cpu())
-            items = seen.calls[k * n]["inputs"]["num_items_in_batch"]
+            # each rank's token count (its first micro-batch's num_items_in_batch)
+            items, at = 0.0, 0
+            for r in ranks:
+                items += float(calls[at]["inputs"]["num_items_in_batch"])
+                at += r.micro_steps
             self.steps += 1
+            # Trainer logs the mean of the ranks' losses (nested_gather(tr_loss).mean()); here
+            # the window summed every rank's
             results.append(StepResult(
-                float(entry["loss"]), {name: torch_cat(v) for name, v in metrics.items()},
-                float(entry["grad_norm"]), {"normalizer": float(items), "step": self.steps}))
+                float(entry["loss"]) / world,
+                {name: torch_cat(v) for name, v in metrics.items()},
+                float(entry["grad_norm"]), {"normalizer": items, "step": self.steps}))
         first = results[0]
         if len(results) > 1:
             first.extra["optimizer_steps"] = results
         return first
+
+    def _rank_config(self, rank: "_Rank") -> None:
+        """A rank's generation batch sizes, written into TRL's args the way a TRL user would
+        configure them (the batch one group of num_generations: the driver grouped and scored
+        it)."""
+        a = self.args
+        a.per_device_train_batch_size = rank.micro_batch_size
+        a.steps_per_generation = a.gradient_accumulation_steps = rank.micro_steps
+        a.generation_batch_size = len(rank.batch)
+        a.num_generations = self.trainer.num_generations = len(rank.batch)
 
     def metrics(self, frame: dict) -> dict:
         """TRL's own per-token values of one `_compute_loss` call, over its loss tokens: the
@@ -733,6 +797,22 @@ class _LossLocals:
     def __exit__(self, *exc):
         sys.settrace(self._previous)
         return False
+
+
+@contextlib.contextmanager
+def _ddp_mean(model, world: int):
+    """DDP's gradient all-reduce (the mean over `world` ranks), emulated in one process: each
+    emulated rank's backward contributes 1/world of its gradient."""
+    if world == 1:
+        yield
+        return
+    hooks = [p.register_hook(lambda g: g / world) for p in model.parameters()
+             if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @contextlib.contextmanager
