@@ -15,7 +15,8 @@ from the engine's output to the optimizer step (DATA_PATH lists them, function b
 Where rlconform's rows and TRL's contract differ, the adapter's changes are stated per clause
 (`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token), and the
 data-parallel ranks of a step, emulated in one process (each shard its rank's generation batch,
-the backward scaled by 1/world, one optimizer step; TRL's gathers see one rank).
+the backward scaled by 1/world, one optimizer step, TRL's generation gathers answering every
+rank's values).
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -96,8 +97,9 @@ DATA_PATH = (
              "_generate_and_score_completions, its own _step / _buffered_inputs, its "
              "micro-steps in the accumulation window), each rank's backward scaled by 1/world "
              "(DDP's gradient mean) and one optimizer step over the summed gradients; TRL's "
-             "gathers across ranks see one rank (num_processes 1): advantages are centred and "
-             "the dapo token count taken over the rank's own shard", "trainer"),
+             "gathers in _generate_and_score_completions (rewards, loss-token counts) answer "
+             "every rank's values, each taken by TRL's own generation of that rank's batch "
+             "before the step, and num_processes is the world (_RankAccelerator)", "trainer"),
 )
 _EMPTY_COMPLETION = (
     "a row with an empty completion (no loss token) reaches TRL's rollout_func as one pad "
@@ -107,8 +109,9 @@ _EMPTY_COMPLETION = (
 _ONE_PROCESS = (
     "the step's data-parallel ranks are emulated in one process (DATA_PATH: "
     "DistributedDataParallel): each shard is its rank's generation batch, gradients are "
-    "averaged over the ranks, and TRL's gathers across ranks (advantage centring, the dapo "
-    "token count) see the rank's own shard only")
+    "averaged over the ranks, and TRL's gathers in _generate_and_score_completions are "
+    "emulated all-gathers of every rank's values (advantages centred and loss tokens counted "
+    "over the step); metrics TRL gathers in _compute_loss see the rank's own")
 # What the adapter changes between rlconform's rows and TRL before a clause judges the result
 NORMALISATIONS = {
     **{cid: _EMPTY_COMPLETION for cid in (
@@ -634,6 +637,8 @@ class TRLCore:
         window = sum(r.micro_steps for r in ranks)  # micro-steps of one optimizer step
         t = self.trainer
         a = self.args
+        total = sum(len(r.batch) for r in ranks)
+        peers = self._gathered_values(ranks, world, stage) if world > 1 else None
         a.gradient_accumulation_steps, a.max_steps = window, epochs
         # the loader yields, per optimizer step, each rank's generation batch once per micro-step
         # it serves (rank order); each rank's batch repeats as RepeatSampler repeats one
@@ -647,12 +652,13 @@ class TRLCore:
             state of a generation batch (its micro-step counter and buffer, its batch and
             accumulation sizes) swapped in around GRPOTrainer.training_step."""
             r = slots.pop(0)
-            self._rank_config(r)
+            self._rank_config(r, total)
             t._step, t._buffered_inputs = r.step, r.buffered
             window_steps = t.current_gradient_accumulation_steps
             t.current_gradient_accumulation_steps = r.micro_steps
             try:
-                with self.serving(r.batch, r.rows, stage):
+                with self.serving(r.batch, r.rows, stage), \
+                        _as_rank(t, world, None if peers is None else peers[ranks.index(r)]):
                     return step(model, inputs, num_items_in_batch)
             finally:
                 r.step, r.buffered = t._step, t._buffered_inputs
@@ -697,15 +703,32 @@ class TRLCore:
             first.extra["optimizer_steps"] = results
         return first
 
-    def _rank_config(self, rank: "_Rank") -> None:
+    def _rank_config(self, rank: "_Rank", total: int) -> None:
         """A rank's generation batch sizes, written into TRL's args the way a TRL user would
-        configure them (the batch one group of num_generations: the driver grouped and scored
-        it)."""
+        configure them; the step's rows over every rank are one group of num_generations (the
+        driver grouped and scored them)."""
         a = self.args
         a.per_device_train_batch_size = rank.micro_batch_size
         a.steps_per_generation = a.gradient_accumulation_steps = rank.micro_steps
         a.generation_batch_size = len(rank.batch)
-        a.num_generations = self.trainer.num_generations = len(rank.batch)
+        a.num_generations = self.trainer.num_generations = total
+
+    def _gathered_values(self, ranks, world: int, stage) -> list[list]:
+        """What each rank hands each `accelerator.gather` of `_generate_and_score_completions`
+        (in call order): TRL's own generation of every rank's batch, run once before the step
+        with each gather answering the rank's own value. The step's generation then gathers
+        them as an all-gather would (`_as_rank`). Everything it gathers (rewards, truncation
+        flags, loss-token counts, their metrics) comes from the rows, not from the weights."""
+        t = self.trainer
+        out = []
+        for r in ranks:
+            self._rank_config(r, len(r.batch))  # a gather of one rank: its rows one group
+            t.model.train()
+            with self.serving(r.batch, r.rows, stage), _as_rank(t, world, None) as local:
+                t._generate_and_score_completions(r.inputs)
+            out.append(local.sent_last)
+        return [[[v for q, v in enumerate(sent) if q != i] for sent in zip(*out)]
+                for i in range(len(ranks))]
 
     def metrics(self, frame: dict) -> dict:
         """TRL's own per-token values of one `_compute_loss` call, over its loss tokens: the
@@ -797,6 +820,82 @@ class _LossLocals:
     def __exit__(self, *exc):
         sys.settrace(self._previous)
         return False
+
+
+class _RankAccelerator:
+    """The trainer's Accelerator as one emulated data-parallel rank sees it: `num_processes` is
+    the world, and inside `_generate_and_score_completions` (`generation`) each `gather` is an
+    all-gather of this rank's value with the other ranks' values of the same call (`others[k]`
+    for the k-th call: a list, one per other rank), this rank's first, so TRL's
+    `process_index * len(prompts)` slice (process_index 0) takes its own rows whatever the
+    ranks' sizes; TRL reduces what it gathers there over the whole step (sums, the mean of one
+    group), where the order of the ranks does not matter. `others` None: each gather there
+    answers the rank's own value and records it (`sent`). Outside the generation (the metrics
+    `_compute_loss` logs, which the adapter does not read) a gather answers the rank's own."""
+
+    def __init__(self, accelerator, world: int, others: list | None):
+        self._accelerator, self._world, self._others = accelerator, world, others
+        self.sent: list | None = None
+
+    @property
+    def num_processes(self) -> int:
+        return self._world
+
+    @contextlib.contextmanager
+    def generation(self):
+        self.sent = []
+        try:
+            yield
+        finally:
+            self.sent_last, self.sent = self.sent, None
+
+    def gather(self, tensor):
+        import torch
+
+        if self.sent is None:
+            return self._accelerator.gather(tensor)
+        k = len(self.sent)
+        self.sent.append(tensor.detach().clone())
+        if self._others is None:
+            return tensor
+        if k >= len(self._others):
+            raise RuntimeError(f"gather call {k} of an emulated rank has no counterpart on the "
+                               "other ranks (their generation gathered fewer values)")
+        peers = [p.to(tensor.device) for p in self._others[k]]
+        if tensor.dim() == 0:
+            return torch.stack([tensor, *peers])
+        return torch.cat([tensor, *peers])
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+@contextlib.contextmanager
+def _as_rank(trainer, world: int, others: list | None):
+    """`trainer.accelerator` and GRPOTrainer's `gather` as one of `world` emulated ranks
+    (`_RankAccelerator`, its all-gathers inside `_generate_and_score_completions`) while the
+    block runs; world 1: the trainer's own."""
+    if world == 1:
+        yield None
+        return
+    import trl.trainer.grpo_trainer as grpo
+
+    own, own_gather = trainer.accelerator, grpo.gather
+    view = _RankAccelerator(own, world, others)
+    generate = type(trainer)._generate_and_score_completions.__get__(trainer)
+
+    def generation(inputs):
+        with view.generation():
+            return generate(inputs)
+
+    # GRPOTrainer gathers through its accelerator and accelerate.utils.gather (the rewards)
+    trainer.accelerator, grpo.gather = view, view.gather
+    trainer._generate_and_score_completions = generation
+    try:
+        yield view
+    finally:
+        trainer.accelerator, grpo.gather = own, own_gather
+        trainer.__dict__.pop("_generate_and_score_completions", None)
 
 
 @contextlib.contextmanager
