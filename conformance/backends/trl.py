@@ -703,7 +703,7 @@ class TRLCore:
             first.extra["optimizer_steps"] = results
         return first
 
-    def _rank_config(self, rank: "_Rank", total: int) -> None:
+    def _rank_config(self, rank: _Rank, total: int) -> None:
         """A rank's generation batch sizes, written into TRL's args the way a TRL user would
         configure them; the step's rows over every rank are one group of num_generations (the
         driver grouped and scored them)."""
