@@ -59,9 +59,10 @@ class BytesTransport:
         keys = check_names("key", keys)
         check_tags(tags, len(keys))
         layouts = self._layouts.get(partition, {})
+        new = {}
         for name, col in columns.items():  # check everything before storing anything
             check_name("field", name)
-            layout = _layout(name, col)
+            layout = new[name] = _layout(name, col)
             if int(col.size(0)) != len(keys):
                 raise ValueError(f"column {name!r} has {col.size(0)} rows for {len(keys)} keys")
             if layouts.get(name, layout) != layout:
@@ -71,7 +72,7 @@ class BytesTransport:
             return  # a put of no keys stores nothing
         part = self._rows.setdefault(partition, {})
         for name, col in columns.items():
-            self._layouts.setdefault(partition, {})[name] = _layout(name, col)
+            self._layouts.setdefault(partition, {})[name] = new[name]
             for k, row in zip(keys, col.unbind()):
                 part.setdefault(k, {})[name] = _dump(row)
         ptags = self._tags.setdefault(partition, {})

@@ -385,8 +385,7 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             fields = data.draw(st.lists(st.sampled_from(common), unique=True), "fields") \
                 if common else []
-        expect, want, want_tags = self.model.get(p, keys, fields)
-        self._compare_get(client, p, keys, fields, expect, want, want_tags)
+        self._expect(client, p, keys, fields, logged=True)
 
     def _compare_list(self, client, p, *, logged: bool):
         expect, want = self.model.list(p)
@@ -447,10 +446,8 @@ class StoreMachine(RuleBasedStateMachine):
                               tag[0] if tag else Value(None, "None"))
                 elif method == "get":
                     p, keys, *fields = args
-                    fields = fields[0].value if fields else None
-                    expect, want, want_tags = self.model.get(p.value, keys.value, fields)
-                    self._compare_get(self.clients[0], p.value, keys.value, fields, expect,
-                                      want, want_tags)
+                    self._expect(self.clients[0], p.value, keys.value,
+                                 fields[0].value if fields else None, logged=True)
                 elif method == "list":
                     self._compare_list(self.clients[0], args[0].value, logged=True)
                 else:
@@ -489,9 +486,10 @@ class StoreMachine(RuleBasedStateMachine):
                     if k not in held.rows:
                         self._read(self._expect_missing, client, p, [k], [])
 
-    def _expect(self, client, p, keys, fields) -> None:
+    def _expect(self, client, p, keys, fields, *, logged: bool = False) -> None:
+        """get, compared with what the model answers (a read after a step unless `logged`)."""
         expect, want, want_tags = self.model.get(p, keys, fields)
-        self._compare_get(client, p, keys, fields, expect, want, want_tags, logged=False)
+        self._compare_get(client, p, keys, fields, expect, want, want_tags, logged=logged)
 
     def _expect_missing(self, client, p, keys, fields) -> None:
         expect, _, _ = self.model.get(p, keys, fields)
