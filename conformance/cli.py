@@ -69,7 +69,10 @@ def _cmd_mutants(a, extra) -> int:
             note += f"  (claimed, not killed by: {', '.join(row['missed'])})"
         only_exc = [c for c in row.get("failed_by_exception_only", ()) if c in row["expected"]]
         if only_exc:
-            note += f"  (failed only by exceptions, no assertion: {', '.join(only_exc)})"
+            first = next((f["message"] for f in (row.get("failed_tests") or {}).values()
+                          if f.get("kind") != "assertion" and f.get("message")), "")
+            note += (f"  (failed only by exceptions, no assertion: {', '.join(only_exc)}"
+                     + (f"; first: {first.splitlines()[0][:160]}" if first else "") + ")")
         print(f"[{done:>{len(str(total))}}/{total} {elapsed:6.1f}s] {mark} {row['name']:36} "
               f"by {by} ({row['duration_s']:.1f}s){note}", flush=True)
 

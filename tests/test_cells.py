@@ -168,7 +168,8 @@ SLEEPER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_signal_writes_the_report_of_what_had_run(tmp_path):
-    """SIGTERM while a test runs (a store that hangs): the progress line names that test and
+    """SIGTERM while a test runs (a store that hangs), sent as `timeout` sends it (to the
+    runner, then to its process group): the progress line names that test and
     its time so far, and the run ends with a report (the test before it kept, the running one's
     clause incomplete, the signal named), exit status 128 + 15."""
     (tmp_path / "rlc_sleeper.py").write_text(SLEEPER)
@@ -178,7 +179,8 @@ def test_a_signal_writes_the_report_of_what_had_run(tmp_path):
     proc = subprocess.Popen(
         [*CLI, "run", "--workers", "0", "-q", "--report-dir", str(out), "-p", "rlc_sleeper",
          "--partial-ok", "-k", "test_tags_follow_keys or test_partitions_are_isolated"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+        start_new_session=True)
     seen, deadline = [], time.monotonic() + 300
     try:
         for line in proc.stdout:
@@ -188,7 +190,11 @@ def test_a_signal_writes_the_report_of_what_had_run(tmp_path):
         assert seen and seen[-1].startswith(
             "rlconform: running test_transport.py::test_partitions_are_isolated "
             "(DP-CLEAR-ISOLATION): "), "".join(seen)[-3000:]
+        # as GNU timeout and CI runners stop a job: the runner first, then its whole process
+        # group (the runner again): the repeat must not end the report being written
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -97,7 +97,6 @@ def test_preflight_judges_the_families_the_selected_model_tests_build(monkeypatc
     """The run's preflight reads the families of the selected model tests only: a codec test
     of a large family builds no model, and a run that leaves a family out (-k) fits a smaller
     GPU (it refused an 80 GB H100 for SmolVLM while running only text and Qwen2-VL)."""
-    import pytest
     import torch
 
     from rlconform.conformance.engine import session
@@ -112,6 +111,4 @@ def test_preflight_judges_the_families_the_selected_model_tests_build(monkeypatc
     ids = ["test_generation.py::test_generation_logprobs_agree_with_prev_logprobs[qwen2_vl]",
            "test_trainer_numerics.py::test_later_steps_ratio_is_the_policy_change[text-epochs-2]",
            "test_codec.py::test_family_roundtrip_with_shared_media[smolvlm]"]
-    with pytest.raises(pytest.exit.Exception):
-        session._gpu_plan_preflight(None, ids)
-    assert seen["f"] == ["qwen2_vl", "text"]
+    assert session._gpu_plan_preflight(None, ids) == ["qwen2_vl", "text"]  # the refusal

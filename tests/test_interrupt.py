@@ -224,3 +224,40 @@ def test_reports_show_a_mutant_without_verdict_as_an_error():
     assert "ERROR: no report written" in line and "survived" not in line, line
     html = render_html(report)
     assert "error: no verdict" in html and "no report written" in html
+
+
+def test_a_refused_mutant_run_says_why_and_an_exception_keeps_its_message(tmp_path):
+    """A mutant run stopped by the GPU preflight names the refusal (a kill-matrix job has no
+    terminal: the reason is read from its report's problems), and a test that failed by an
+    exception (no kill) keeps the exception's message in the matrix row."""
+    from rlconform.conformance.engine.kill_matrix import _collect
+
+    folder = tmp_path / "mutants" / "mutant_m"
+    folder.mkdir(parents=True)
+    why = "the GPU memory plan does not fit H100 (79 GiB, 71 GiB usable): smolvlm needs 94 GiB"
+    test = {"nodeid": "test_t.py::test_x[text]", "outcome": "failed",
+            "failure_kind": "exception", "params": {"family": "text"},
+            "message": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    report = {"clauses": [{"id": "C", "status": "failed", "tests": [test]}],
+              "problems": [why], "provenance": {"duration_s": 0.1}}
+    (folder / "report.json").write_text(json.dumps(report))
+    row = _collect("m", tmp_path, int(pytest.ExitCode.USAGE_ERROR))
+    assert row["error"] == f"its pytest run exited with USAGE_ERROR (a bad option?): {why}"
+    assert row["failed_by_exception_only"] == ["C"] and row["failed"] == []
+    assert row["failed_tests"]["test_t.py::test_x[text]"]["message"] == test["message"]
+
+
+def test_kill_matrix_jobs_on_one_gpu_share_one_memory_ledger():
+    """At production width on CUDA every job of the kill matrix gets the same ledger (the
+    environment they inherit); elsewhere none is set (a session makes its own if it needs one)."""
+    from rlconform.conformance.engine import gpu_memory
+    from rlconform.conformance.engine.kill_matrix import _share_gpu_ledger
+
+    env = {}
+    _share_gpu_ledger(env, ["--device", "cuda", "--model-size", "production"])
+    assert env[gpu_memory.LEDGER_ENV].endswith("ledger.json")
+    for extra in (["--device", "cpu", "--model-size", "production"],
+                  ["--device", "cuda", "--model-size", "tiny"]):
+        env = {}
+        _share_gpu_ledger(env, extra)
+        assert gpu_memory.LEDGER_ENV not in env

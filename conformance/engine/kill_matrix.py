@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from rlconform.conformance.engine import gpu_memory
+
 SURFACE_COST = {"trainer": 10, "rollout": 10}  # relative cost of a clause run, by surface
 # ... and by capability: a `multiprocess` clause starts rank processes (each imports torch and
 # transformers and builds a model): its mutants run first, beside the trainer ones
@@ -64,6 +66,9 @@ def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict
             entry = tests.setdefault(t["nodeid"], {
                 "kind": t.get("failure_kind") or "exception", "clauses": [],
                 "family": (t.get("params") or {}).get("family")})
+            if entry["kind"] != "assertion" and t.get("message"):
+                # an exception is no kill: its message says what to fix (memory, a setup)
+                entry["message"] = t["message"][:EXCEPTION_CHARS]
             entry["clauses"].append(c["id"])
         if any(t.get("failure_kind") == "assertion" for t in bad):
             failed.append(c["id"])
@@ -74,11 +79,14 @@ def _collect(name: str, report_dir: Path, code: int | str | None = None) -> dict
            "ran": ran, "failed_tests": tests,
            "duration_s": report["provenance"].get("duration_s", 0.0)}
     if bad_exit:
-        out["error"] = f"its pytest run exited with {bad_exit}"
+        said = "; ".join(report.get("problems") or ())  # a preflight refusal says why
+        out["error"] = f"its pytest run exited with {bad_exit}" + (f": {said}" if said else "")
     elif "no clause test ran" in (report.get("problems") or ()):
         out["error"] = "its run ran no clause test (its claimed clauses deselected?)"
     return out
 
+
+EXCEPTION_CHARS = 300
 
 # pytest exit codes after which a mutant's report is no verdict
 _BAD_EXITS = {int(pytest.ExitCode.INTERRUPTED): "INTERRUPTED",
@@ -234,6 +242,7 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     # each worker gets its share of the cores (torch would otherwise spin one thread per core in
     # every worker)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    _share_gpu_ledger(env, extra)
     # the workers start loading torch and the clause modules while this process reads the
     # catalogue
     workers = [_Worker(report_dir, extra, env) for _ in range(jobs)]
@@ -246,6 +255,21 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
         for w in workers:
             if w.proc.poll() is None:
                 w.stop()
+
+
+def _share_gpu_ledger(env: dict, extra: list[str]) -> None:
+    """At production width on CUDA the jobs share one GPU: give them one reservation ledger
+    (engine/gpu_memory.py). Each job's session made its own before: three jobs of production
+    models on one H100 failed tests by exceptions (read as survivals) that the same mutants,
+    one job at a time, failed by assertion."""
+    from rlconform.fixtures.sizes import PRODUCTION
+
+    regime = _regime(extra)
+    if regime["device"].startswith("cuda") and regime["model_size"] == PRODUCTION:
+        import tempfile
+
+        env[gpu_memory.LEDGER_ENV] = os.path.join(
+            tempfile.mkdtemp(prefix="rlconform-mutants-gpu-"), "ledger.json")
 
 
 def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict[str, int]:

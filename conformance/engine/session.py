@@ -75,7 +75,7 @@ class RlconformState:
         if hasattr(self.config, "workerinput"):
             return
         self.selected = {plain_nodeid(item.nodeid): clause_ids(item) for item in session.items}
-        _gpu_plan_preflight(self.config, list(self.selected))
+        self._preflight()
 
     @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the plugin loads without xdist
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
@@ -84,7 +84,15 @@ class RlconformState:
         which run in the workers) is over. Every worker selects the same tests."""
         if self.selected is None:
             self.selected = {plain_nodeid(i): [] for i in ids}
-            _gpu_plan_preflight(self.config, list(self.selected))
+            self._preflight()
+
+    def _preflight(self) -> None:
+        """Stop the run before any test on a GPU too small for its selection; the reason is
+        also a problem of the report (a kill-matrix job reads it there: it has no terminal)."""
+        why = _gpu_plan_preflight(self.config, list(self.selected))
+        if why:
+            self.problems.append(why)
+            pytest.exit(why, returncode=pytest.ExitCode.USAGE_ERROR)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:
@@ -160,18 +168,18 @@ def _gpu_ledger(config: pytest.Config) -> None:
         tempfile.mkdtemp(prefix="rlconform-gpu-"), "ledger.json"))
 
 
-def _gpu_plan_preflight(config: pytest.Config, nodeids: list[str]) -> None:
+def _gpu_plan_preflight(config: pytest.Config, nodeids: list[str]) -> str | None:
     """On the controller, once the selection is known (after -k, --surfaces and the rest: a run
-    that leaves the largest families out fits a smaller GPU): stop the run, before any test
-    runs, on a GPU too small for the largest planned test of the families the selected model
-    tests build. A test without a `family` parameter is planned at the plan's default. The
-    run stops with pytest.exit: a worker raising in its collection crashes xdist wordlessly."""
+    that leaves the largest families out fits a smaller GPU): why the GPU is too small for the
+    largest planned test of the families the selected model tests build, or None. A test
+    without a `family` parameter is planned at the plan's default. The caller stops the run
+    with pytest.exit: a worker raising in its collection crashes xdist wordlessly."""
     if not _production_cuda(config):
-        return
+        return None
     import torch
 
     if not torch.cuda.is_available():
-        return  # the device fixture says so
+        return None  # the device fixture says so
     from rlconform.conformance.catalogue.docs import tests_by_clause
     from rlconform.conformance.engine.items import MODEL_SURFACES
     from rlconform.fixtures.sizes import PRODUCTION_MODELS
@@ -184,10 +192,8 @@ def _gpu_plan_preflight(config: pytest.Config, nodeids: list[str]) -> None:
         if function in model_tests:
             families |= set(params.split("]")[0].split("-")) & set(PRODUCTION_MODELS)
     props = torch.cuda.get_device_properties(0)
-    why = gpu_memory.preflight(gpu_memory.load_plan(), sorted(families), props.total_memory,
-                               props.name)
-    if why:
-        pytest.exit(why, returncode=pytest.ExitCode.USAGE_ERROR)
+    return gpu_memory.preflight(gpu_memory.load_plan(), sorted(families), props.total_memory,
+                                props.name)
 
 
 def pytest_report_header(config) -> list[str]:

@@ -4,24 +4,40 @@ thread, pytest stops the test it was running, and the plugin writes the report o
 (its clauses incomplete, a problem naming the signal) before the process exits with 128 + the
 signal's number, as a shell reports a process a signal ended.
 
-Without this, SIGTERM's default action ended the process at once and no report was written. A
-second signal while the report is being written ends the process then (the default action).
+Without this, SIGTERM's default action ended the process at once and no report was written.
+
+A signal repeated within REPEAT_WINDOW_S of the first is the same request and is ignored: GNU
+`timeout`, CI runners and terminals send the signal to the runner and then to its whole process
+group (the runner again, its xdist workers, rank processes), so the runner receives it twice in a
+row (measured: `timeout 285 rlconform run --workers 6 ...` on a GPU host ended with no report, the
+second SIGTERM arriving after the first had been handled). A signal after that window ends the
+process (the default action), report or not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 2.0
 _received: list[int] = []
+_first_at: list[float] = []
 
 
 def _handler(signum, frame) -> None:
+    if _received:
+        if time.monotonic() - _first_at[0] < REPEAT_WINDOW_S:
+            return  # the process group's copy of the same request: the report is on its way
+        for s in SIGNALS:  # a later signal ends the process, report or not
+            signal.signal(s, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     _received.append(signum)
-    for s in SIGNALS:  # a second signal ends the process, report or not
-        signal.signal(s, signal.SIG_DFL)
+    _first_at.append(time.monotonic())
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
@@ -33,6 +49,7 @@ def reporting_on_signals():
         yield
         return
     _received.clear()
+    _first_at.clear()
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, _handler)
