@@ -544,6 +544,15 @@ class NemoRLTransport:
     def put(self, partition: str, keys: Sequence[str], columns: dict,
             tags: Sequence[dict] | None = None) -> None:
         keys = list(keys)
+        import torch
+
+        for name, col in columns.items():
+            # put_samples takes a TensorDict, and building one is this adapter's step: the
+            # TensorDict constructor would turn a list into a float tensor (densified, cast)
+            # before NeMo-RL saw it, so a column that is not a tensor is refused here
+            if not isinstance(col, torch.Tensor):
+                raise TypeError(f"column {name!r} is a {type(col).__name__}; put_samples takes "
+                                "a TensorDict of tensors")
         if partition not in self._registered:
             self._client.register_partition(partition, fields=list(columns),
                                             num_samples=len(keys), consumer_tasks=[])
@@ -578,6 +587,10 @@ class NemoRLTransport:
             return []  # a partition holding no keys lists [] (the transport contract)
         present = []
         for k in self._put_keys.get(partition, {}):
+            if not isinstance(k, str):
+                # a key the contract refuses (bytes, an int) that put_samples accepted: that put
+                # is the finding (a waiver names it); this list returns names, as the contract's
+                continue
             try:
                 self._client.get_samples([k], partition, [])
             except KeyError as exc:

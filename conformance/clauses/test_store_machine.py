@@ -214,7 +214,7 @@ class StoreMachine(RuleBasedStateMachine):
                 continue
             old = self.model.parts.get(p)
             part = Partition(layouts=dict(old.layouts) if old else {})
-            for k in keys:
+            for k in (k for k in keys if isinstance(k, str)):  # what a model can name
                 part.rows[k] = {}
                 try:
                     part.tags[k] = copy.deepcopy(t.get(p, [k], [])[1][0])
