@@ -25,6 +25,15 @@ B3 = "BACKGROUND.md s3: "
 GEN_TMPE_TOL = {torch.float32: 1.0 + 1e-4, torch.bfloat16: 1.05}
 # sampling_importance_ratio mean must lie in 1 +- this (BACKGROUND s4: ~1 +- 0.02)
 GEN_SIR_TOL = 0.02
+# GEN-GROUP-INDEPENDENT: the chance that one test case (one family) fails an engine whose group
+# members are independent, split evenly (Bonferroni) over the case's (member, prefix) checks
+GEN_INDEPENDENT_ALPHA = 1e-6
+# each completion token's probability is taken at this multiple of the reference forward's
+# (capped at 1), a margin for the engine's numerics: healthy bf16 engines sit within a factor
+# 1.05 of the trainer on average (BACKGROUND s4), fp32 within 1 + 1e-6 per token (above); a
+# larger chance of agreement only raises the bar, so the margin can only hide a defect, not
+# invent one
+GEN_INDEPENDENT_SLACK = 2.0
 
 GENERATION_CLAUSES: list[Clause] = [
     Clause(
@@ -67,6 +76,29 @@ GENERATION_CLAUSES: list[Clause] = [
         "placeholder, which then breaks the recompute",
         ("unrestricted_sampling",),
         regime="exact (token ids and masks).",
+    ),
+    Clause(
+        "GEN-GROUP-INDEPENDENT",
+        "In one generate call, the members of a group of identical requests (same prompt, "
+        "same images, same cap) MUST be sampled independently: no more members repeat "
+        "another's first k tokens than independent draws from the model's sampling "
+        "distribution allow.",
+        "rollout",
+        "a collapsed group (an engine that seeds each request from its content or from the "
+        "call seed instead of its row, or serves one request's completion to its duplicates) "
+        "gives every member one completion and one reward: the group's advantages are zero "
+        "and it teaches nothing, silently; with the suite's synthetic, distinct rewards no "
+        "other clause sees it",
+        ("group_members_share_one_sample",),
+        regime=f"statistical, false-alarm rate < {GEN_INDEPENDENT_ALPHA:g} per test case: "
+        "given member a's completion, each other member repeats its first k tokens with "
+        "probability pi = prod q(a_t | prompt, a_<t) (q: the reference model's forward, "
+        "temperature 1 over ordinary tokens and EOS, each factor taken at "
+        f"{GEN_INDEPENDENT_SLACK:g}x and capped at 1), so the count is Binomial(G - 1, pi) and "
+        "P(count >= m) <= C(G - 1, m) pi^m; a case fails when that bound is below "
+        f"{GEN_INDEPENDENT_ALPHA:g} / (its number of (a, k) checks). Exact under "
+        "independence at any width: nothing assumes a near-uniform policy, and the test "
+        "checks that a fully collapsed group would fall below the bound.",
     ),
     Clause(
         "GEN-REFIT-SYNC",

@@ -6,12 +6,19 @@ synthetic and distinct within each group (see test_trainer.py for why).
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import pytest
 import torch
 
-from rlconform.conformance.catalogue.generation import GEN_SIR_TOL, GEN_TMPE_TOL
+from rlconform.conformance.catalogue.generation import (
+    GEN_INDEPENDENT_ALPHA,
+    GEN_INDEPENDENT_SLACK,
+    GEN_SIR_TOL,
+    GEN_TMPE_TOL,
+)
+from rlconform.conformance.clauses._row_inputs import row_inputs
 from rlconform.reference_impl.grpo import dataplane_step
 from rlconform.reference_impl.trainer import TrainerSettings
 
@@ -51,7 +58,8 @@ def cpu_threads(device):
 
 @pytest.fixture
 def setup(backend, device, dtype, seed, cpu_threads):
-    """(settings, engine, trainer factory, prompts, images) for a family."""
+    """(settings, engine, trainer factory, prompts, images) for a family: `n_prompts` groups
+    of `group` identical requests (same prompt, same image objects), a group's rows adjacent."""
     from rlconform.conformance.backends.reference import backend as reference
     from rlconform.fixtures.families import build_family
     from rlconform.fixtures.images import make_prompts
@@ -59,13 +67,13 @@ def setup(backend, device, dtype, seed, cpu_threads):
     make_trainer = backend.trainer if backend.provides("trainer") else reference.trainer
     make_rollout = backend.rollout if backend.provides("rollout") else reference.rollout
 
-    def build(family: str, n_prompts: int = 3, seed_offset: int = 0):
+    def build(family: str, n_prompts: int = 3, seed_offset: int = 0, group: int = GROUP):
         settings = TrainerSettings(family, dtype=dtype, device=device, seed=seed)
         engine = make_rollout(build_family(family), settings)
         pattern = [0] if family == "text" else list(MIXED)
         prompts, images, _ = make_prompts(n_prompts, pattern, seed=seed + seed_offset)
-        prompts = [p for p in prompts for _ in range(GROUP)]
-        images = [i for i in images for _ in range(GROUP)]
+        prompts = [p for p in prompts for _ in range(group)]
+        images = [i for i in images for _ in range(group)]
         return settings, engine, make_trainer, prompts, images
 
     return build
@@ -209,6 +217,100 @@ def test_rollout_samples_ordinary_tokens_only(setup, family, length):
         on = gen[i][mask[i]]
         assert bool(torch.isfinite(on).all() and (on < 0).all()), \
             f"row {i}: generation_logprobs on the completion must be finite and < 0"
+
+
+# -- GEN-GROUP-INDEPENDENT ----------------------------------------------------------------
+INDEPENDENT_GROUP = 4  # members of each group of identical requests
+INDEPENDENT_SEED = 3
+
+
+def _sampling_logq(model, fam, allowed, prompt, imgs, completion, settings) -> torch.Tensor:
+    """float64 log-probability of each completion token under the sampling distribution the
+    rollout contract fixes (temperature 1, no top-k/top-p, ordinary tokens and EOS only), from
+    the reference model's own forward of the row, raised by GEN_INDEPENDENT_SLACK and capped at
+    0. A token outside that set (GEN-ORDINARY-TOKENS's business) counts as certain: log 0."""
+    inputs = row_inputs(fam, prompt, imgs, completion, settings.dtype, settings.device)
+    p, t = inputs["input_ids"].shape[1] - completion.numel(), completion.numel()
+    logits = model(**inputs, use_cache=False).logits[0, p - 1:p - 1 + t].double()
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[allowed.to(logits.device)] = True
+    logq = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+    logq = logq.gather(-1, completion.to(logits.device)[:, None])[:, 0].cpu()
+    logq = logq + math.log(GEN_INDEPENDENT_SLACK)
+    return torch.where(keep.cpu()[completion], logq.clamp(max=0.0), torch.zeros_like(logq))
+
+
+def _repeats(comps: list[list[int]], logq: list[torch.Tensor]
+             ) -> list[tuple[float, int, int, list[int]]]:
+    """(log bound, anchor a, prefix length k, the members repeating it) for every member a of
+    one group and every k up to its completion's length. Given a's completion, every other
+    member independently repeats its first k tokens with probability pi = prod_{t<k} q(a_t),
+    so how many do is Binomial(G - 1, pi) and P(at least m) <= C(G - 1, m) pi^m."""
+    out = []
+    for a, ca in enumerate(comps):
+        cum = torch.cumsum(logq[a], 0).tolist()
+        for k in range(1, len(ca) + 1):
+            same = [j for j, cj in enumerate(comps) if j != a and cj[:k] == ca[:k]]
+            m = len(same)
+            bound = math.log(math.comb(len(comps) - 1, m)) + m * cum[k - 1] if m else 0.0
+            out.append((bound, a, k, same))
+    return out
+
+
+@pytest.mark.clause("GEN-GROUP-INDEPENDENT")
+@pytest.mark.parametrize("family", ("qwen2_vl", "smolvlm", "text"))
+def test_group_members_are_sampled_independently(record_metric, setup, family):
+    """Groups of INDEPENDENT_GROUP identical requests (image families: groups of 1, 0 and 2
+    images) in one call; each member's completion scored by the reference model. The chance
+    that an engine sampling its members independently fails this test is below
+    GEN_INDEPENDENT_ALPHA (a Bonferroni split over every (member, prefix length) check), at
+    any width and whatever the policy: the bound is exact for the distribution the model
+    gives, so a peaked production policy only costs power, which the test checks it has."""
+    from rlconform.fixtures.families import build_family
+
+    settings, engine, _, prompts, images = setup(family, n_prompts=len(MIXED),
+                                                 group=INDEPENDENT_GROUP)
+    batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=INDEPENDENT_SEED)
+    assert len(batch) == len(prompts), f"{len(batch)} rows for {len(prompts)} requests"
+    fam = build_family(family)
+    allowed = torch.cat([fam.ordinary_token_ids(),
+                         torch.tensor(fam.eos_token_ids, dtype=torch.long)]).unique()
+    model = fam.build_model(seed=settings.seed, dtype=settings.dtype, device=settings.device)
+    plens, lens = batch["prompt_lengths"].tolist(), batch["input_lengths"].tolist()
+    groups = []
+    with torch.no_grad():
+        for g in range(0, len(prompts), INDEPENDENT_GROUP):
+            rows = range(g, g + INDEPENDENT_GROUP)
+            comps = [batch["input_ids"][i, plens[i]:lens[i]] for i in rows]
+            assert all(c.numel() for c in comps), \
+                f"rows {list(rows)}: an empty completion for a cap of {MAX_NEW_TOKENS}"
+            logq = [_sampling_logq(model, fam, allowed, prompts[i], images[i], c, settings)
+                    for i, c in zip(rows, comps)]
+            groups.append((g, [c.tolist() for c in comps], logq))
+    del model
+    checks = sum(len(c) for _, comps, _ in groups for c in comps)
+    threshold = math.log(GEN_INDEPENDENT_ALPHA / checks)
+    # a group whose every member repeated one completion must fall below the threshold
+    collapse = [min((INDEPENDENT_GROUP - 1) * float(q.sum()) for q in logq)
+                for _, _, logq in groups]
+    record_metric("collapsed_group_log10_bound", max(collapse) / math.log(10))
+    assert max(collapse) < threshold, \
+        f"test setup: a fully collapsed group would have probability bound " \
+        f"10^{max(collapse) / math.log(10):.3g}, not below the threshold " \
+        f"10^{threshold / math.log(10):.3g}: the policy is too peaked for {MAX_NEW_TOKENS} tokens"
+    found, least = {}, 0.0  # group -> its least bound below the threshold
+    for g, comps, logq in groups:
+        for bound, a, k, same in _repeats(comps, logq):
+            least = min(least, bound)
+            if bound < threshold and bound < found.get(g, (0.0,))[0]:
+                found[g] = (bound, a, k, same, comps[a][:k])
+    record_metric("agreement_log10_bound", least / math.log(10))
+    bad = [f"rows {[g + j for j in same]} repeat row {g + a}'s first {k} tokens {ids}: "
+           f"probability <= 10^{bound / math.log(10):.3g} for independent draws"
+           for g, (bound, a, k, same, ids) in sorted(found.items())]
+    assert not bad, "members of a group of identical requests were not sampled " \
+        f"independently (false-alarm rate {GEN_INDEPENDENT_ALPHA:g} over {checks} checks): " + \
+        "; ".join(bad)
 
 
 # -- GEN-REFIT-SYNC -----------------------------------------------------------------------

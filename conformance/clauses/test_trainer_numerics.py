@@ -55,6 +55,7 @@ from rlconform.conformance.catalogue.trainer import (
     loss_reorder_tol,
 )
 from rlconform.conformance.clauses._gc import new_trainer
+from rlconform.conformance.clauses._row_inputs import row_inputs
 from rlconform.conformance.clauses.test_trainer import GROUP, settings_not_declared
 from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
@@ -848,25 +849,6 @@ def _match_exact(ids: Tensor, mask: Tensor, batch) -> list[tuple[int, int]]:
 
 
 # -- TRAIN-GRAD-RECOMPUTE and TRAIN-RATIO-LATER-STEPS -----------------------------------------
-def _row_inputs(fam, prompt, images, completion: Tensor, dtype, device) -> dict[str, Tensor]:
-    """One row as the processor gives it, the completion appended (per-token maps zero over
-    it), floating media in the policy dtype: no batch, no padding, no trainer code."""
-    feats = fam.process([prompt], [list(images)])
-    t = completion.numel()
-    out = {}
-    for k, v in feats.items():
-        if k == "input_ids":
-            v = torch.cat([v, completion[None].to(v.dtype)], dim=1)
-        elif k == "attention_mask":
-            v = torch.ones(1, v.shape[1] + t, dtype=v.dtype)
-        elif v.dim() == 2 and v.shape[:2] == feats["input_ids"].shape:  # per-token map
-            v = torch.cat([v, torch.zeros(1, t, dtype=v.dtype)], dim=1)
-        elif v.is_floating_point():
-            v = v.to(dtype)
-        out[k] = v.to(device)
-    return out
-
-
 def _recomputed_rows(model, fam, batch, prompts, images, st: Step, rows, dtype, device,
                      entropy: bool) -> list[RowTerms]:
     """Each of `rows` through `model` on its own (differentiable logprobs and entropies of
@@ -885,7 +867,7 @@ def _recomputed_rows(model, fam, batch, prompts, images, st: Step, rows, dtype, 
             out.append(RowTerms(ADVANTAGES[i], prev[:0], prev))
             continue
         completion = batch["input_ids"][i, plen[i]:lens[i]]
-        inputs = _row_inputs(fam, prompts[i], images[i], completion, dtype, device)
+        inputs = row_inputs(fam, prompts[i], images[i], completion, dtype, device)
         logits = model(**inputs, use_cache=False).logits[0].float()
         lz = torch.log_softmax(logits[plen[i] - 1:lens[i] - 1], dim=-1)
         logp = lz.gather(-1, inputs["input_ids"][0, plen[i]:lens[i], None]).squeeze(-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from rlconform.conformance.mutants import mutant
@@ -60,6 +62,18 @@ def unrestricted_sampling():
     return _backend(_Unrestricted)
 
 
+class _ContentSeeded(HFRollout):
+    def sample(self, feats, max_new_tokens, seed):
+        # the defect: the sampler's seed is the request's content, not its row
+        key = zlib.crc32(b"".join(v.cpu().numpy().tobytes() for _, v in sorted(feats.items())))
+        return super().sample(feats, max_new_tokens, key)
+
+
+@mutant("group_members_share_one_sample", "each request's sampler seeded from a hash of its "
+        "content (a cache key) instead of its row: the identical requests of a group get one "
+        "completion, and the group's advantages are zero", "rollout")
+def group_members_share_one_sample():
+    return _backend(_ContentSeeded)
 
 
 class _RefitNotApplied(HFRollout):
