@@ -576,8 +576,9 @@ REGIME_CLAUSES: list[Clause] = [
         "dict media, MUST leave " + GLOBAL_STATE + " as they were" + UNLESS_DECLARED,
         "codec",
         GLOBAL_EFFECTS + "; a cast done by setting torch's default dtype reaches every tensor "
-        "the process builds afterwards",
-        ("codec_sets_default_dtype",),
+        "the process builds afterwards, and an id drawn from a global RNG moves the caller's "
+        "own sampling",
+        ("codec_draws_numpy_rng",),
     ),
     Clause(
         "META-NO-GLOBAL-EFFECTS",

@@ -436,6 +436,6 @@ PASS_CLAUSES: list[Clause] = [
         GLOBAL_EFFECTS + "; a step that turns grad mode off for its metrics and never back "
         "leaves the driver's next autograd work (a value head, a reward model) without "
         "gradients",
-        ("train_leaves_grad_disabled",),
+        ("train_leaves_grad_disabled", "train_leaves_anomaly_detection_on"),
     ),
 ]

@@ -40,6 +40,7 @@ from ._check import sample_meta
 # position_ids, and per-row dict media (object columns: None, {}, images, videos, both)
 PACKED = Recipe("qwen2_vl", "ragged", "ragged", rows=4, position_ids=3, seed=5)
 DICT_ROWS = HeteroRecipe("qwen2_vl", "multi_modal_inputs", seed=5)
+CASES = [pytest.param(PACKED, id="packed_media"), pytest.param(DICT_ROWS, id="dict_rows")]
 FAMILY = "qwen2_vl"  # the trainer's and engine's: media of several sizes, M-RoPE
 IMAGES = (1, 2, 1)  # images per prompt for the trainer's batch (test_trainer_order's)
 
@@ -92,12 +93,12 @@ def _partition() -> str:
 
 
 # -- transport --------------------------------------------------------------------------------
-def _store_ops(watch: _Watch, transport, codec, case) -> None:
+def _store_ops(watch: _Watch, transport, codec, case, label: str) -> None:
     batch = case.build()
     wire = codec.encode(batch)
     part, keys = _partition(), mint_keys(len(batch), 2)
     adv = codec.encode(batch.replace(advantages=torch.linspace(-1, 1, len(batch))))
-    watch.call(f"put ({type(case).__name__})",
+    watch.call(f"put ({label})",
                lambda: transport.put(part, keys, wire.columns, wire.tags))
     watch.call("list", lambda: transport.list(part))
     watch.call("get", lambda: transport.get(part, keys, list(wire.columns)))
@@ -114,14 +115,15 @@ def _store_ops(watch: _Watch, transport, codec, case) -> None:
 def test_transport_operations_leave_global_state_alone(backend, transport, codec,
                                                        record_metric):
     watch = _Watch(backend, "transport")
-    for case in [PACKED] + ([DICT_ROWS] if "object_columns" in backend.capabilities else []):
-        _store_ops(watch, transport, codec, case)
+    _store_ops(watch, transport, codec, PACKED, "packed media")
+    if "object_columns" in backend.capabilities:
+        _store_ops(watch, transport, codec, DICT_ROWS, "dict rows")
     watch.finish(record_metric)
 
 
 # -- codec ------------------------------------------------------------------------------------
 @pytest.mark.clause("WIRE-NO-GLOBAL-EFFECTS")
-@pytest.mark.parametrize("case", [PACKED, DICT_ROWS], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("case", CASES)
 def test_codec_operations_leave_global_state_alone(backend, codec_factory, record_metric, case):
     watch = _Watch(backend, "codec")
     dtypes = [None] + ([torch.bfloat16] if "bfloat16" in backend.capabilities else [])
@@ -160,7 +162,7 @@ def test_meta_operations_leave_global_state_alone(backend, meta_cls, record_metr
 
 # -- batch operations -------------------------------------------------------------------------
 @pytest.mark.clause("BATCH-NO-GLOBAL-EFFECTS")
-@pytest.mark.parametrize("case", [PACKED, DICT_ROWS], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("case", CASES)
 def test_batch_operations_leave_global_state_alone(backend, batch_ops, record_metric, case):
     watch = _Watch(backend, "batch_ops")
     batch = case.build()

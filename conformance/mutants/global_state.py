@@ -1,6 +1,10 @@
 """Hidden-effect mutants: the reference with one operation per surface that changes process-global
-state (an RNG, grad mode, the default dtype, the environment) and is otherwise correct, so
-only the *-NO-GLOBAL-EFFECTS clauses can see it."""
+state (an RNG, grad or anomaly mode, the environment) and is otherwise correct. All but one
+change state that leaves every result as it was, so only the *-NO-GLOBAL-EFFECTS clauses can
+see them. The exception is grad mode left off: a later test's in-memory train in the same
+process then raises (TRAIN-LEGACY-PARITY fails by that exception, not by an assertion), which
+is the defect's real consequence. (A default dtype left changed breaks the next clause's batch
+building everywhere, so no mutant here sets it.)"""
 
 from __future__ import annotations
 
@@ -31,13 +35,15 @@ def _exports_env():
     return build(transport=T)
 
 
-@mutant("codec_sets_default_dtype", "encode with a pixel dtype cast by setting torch's default "
-        "dtype to it (torch.set_default_dtype) and never set it back", "codec")
-def _default_dtype():
+@mutant("codec_draws_numpy_rng", "encode tagged each wire batch with a random id drawn from "
+        "NumPy's global RNG (np.random.randint): every encode moves the RNG the caller's own "
+        "sampling draws from", "codec")
+def _draws_numpy():
+    import numpy as np
+
     class C(ReferenceCodec):
         def encode(self, batch):
-            if self.pixel_dtype is not None:
-                torch.set_default_dtype(self.pixel_dtype)
+            self.last_batch_id = int(np.random.randint(2**31))  # for its logs
             return super().encode(batch)
 
     return build(codec=lambda pixel_dtype=None: C(pixel_dtype))
@@ -81,6 +87,22 @@ def _grad_off():
                 return super().train(meta)
             finally:
                 torch.set_grad_enabled(False)
+
+    return _backend(T)
+
+
+@mutant("train_leaves_anomaly_detection_on", "the train pass switched on autograd anomaly "
+        "detection (torch.autograd.set_detect_anomaly(True)) to trace NaN gradients and left "
+        "it on: every later backward in the process records a stack per op, several times "
+        "slower", "trainer")
+def _anomaly_on():
+    from rlconform.conformance.mutants.trainer import _backend
+    from rlconform.reference_impl.trainer import DataPlaneTrainer
+
+    class T(DataPlaneTrainer):
+        def train(self, meta):
+            torch.autograd.set_detect_anomaly(True)
+            return super().train(meta)
 
     return _backend(T)
 
