@@ -514,7 +514,7 @@ INTACT = ("a caller (the in-memory path, another rank, a retry, the next stage) 
           "what it handed over; an operation that writes into it changes that caller's data "
           "with no error")
 # -- no hidden effects: the process-global state every *-NO-GLOBAL-EFFECTS clause reads ----------
-GLOBAL_STATE = ("torch's, Python's and NumPy's global RNGs (CUDA's where present), the default "
+GLOBAL_STATE = ("torch's, Python's and NumPy's global RNGs (CUDA's once initialised), the default "
                 "dtype and device, grad, inference and anomaly mode, the deterministic-"
                 "algorithm, cuDNN and TF32 flags, torch's thread counts and the environment "
                 "variables")

@@ -35,8 +35,10 @@ def _torch_rng() -> str:
 
 
 def _cuda_rng() -> str | None:
-    # read only where CUDA is present (reading it initialises CUDA's generators)
-    if not torch.cuda.is_available():
+    # read only once CUDA is initialised: reading would initialise it (a context on every GPU
+    # of the host, in a run that may be on the CPU); an operation that initialises it starts
+    # the generators at their default state, which `changes` does not count as a change
+    if not torch.cuda.is_initialized():
         return None
     return ", ".join(f"cuda:{i} {_digest(s.numpy().tobytes())}"
                      for i, s in enumerate(torch.cuda.get_rng_state_all()))
@@ -107,7 +109,7 @@ def changes(before: dict[str, object], after: dict[str, object]) -> dict[str, st
     out = {}
     for name in sorted(before.keys() | after.keys()):
         a, b = before.get(name), after.get(name)
-        if a != b:
+        if a != b and not (name == "cuda_rng" and a is None):
             out[name] = f"{_shown(a)} -> {_shown(b)}"
     return out
 
@@ -118,7 +120,7 @@ def saved() -> dict[str, object]:
 
     return {
         "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         "python_random": random.getstate(),
         "numpy_random": np.random.get_state(),
         "default_dtype": torch.get_default_dtype(),
