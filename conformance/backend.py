@@ -131,6 +131,9 @@ class Backend:
     framework with nothing to wrap there): reports list every clause not tested with that
     reason. `session` is a context manager entered once per test run around every test: a
     backend that needs a cluster (Ray, a Mooncake master) starts it there and stops it on exit.
+    `changes_globals` declares, per surface, process-global state (an RNG, grad mode, an
+    environment variable: conformance/clauses/_globals.py) its operations must change, and why;
+    the NO-GLOBAL-EFFECTS clauses allow it there and report it.
 
     The common case, the reference with one surface replaced, is one call:
     `Backend.from_reference("my-store", transport=MyStore)`. Every backend needs its own name:
@@ -162,6 +165,10 @@ class Backend:
     # adapter normalises in the framework's output before the clause judges it
     data_path: tuple[PathStep, ...] = ()
     normalisations: dict[str, str] = field(default_factory=dict)
+    # per surface, the process-global state its operations must change and why (names as
+    # conformance/clauses/_globals.py reads them: "torch_rng", "grad_mode", "env.<VARIABLE>",
+    # ...): the *-NO-GLOBAL-EFFECTS clauses allow these and report each one they see change
+    changes_globals: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.capabilities = frozenset(self.capabilities)
@@ -188,10 +195,33 @@ class Backend:
             )
         if not self.surfaces:
             raise ValueError(f"backend {self.name!r} provides no surface; give one of {SURFACES}")
+        self._check_changes_globals()
         odd = sorted(set(self.notes) - set(SURFACES) - CAPABILITIES.keys())
         if odd:
             raise ValueError(f"backend {self.name!r} has notes on {odd}, which are neither "
                              f"surfaces {SURFACES} nor capabilities {sorted(CAPABILITIES)}")
+
+    def _check_changes_globals(self) -> None:
+        if not self.changes_globals:
+            return
+        from rlconform.conformance.clauses import _globals
+
+        for surface, states in self.changes_globals.items():
+            if surface not in SURFACES:
+                raise ValueError(f"backend {self.name!r}: changes_globals names surface "
+                                 f"{surface!r}, not one of {SURFACES}")
+            if not isinstance(states, dict):
+                raise TypeError(f"backend {self.name!r}: changes_globals[{surface!r}] must map "
+                                f"each state to why it changes, not {type(states).__name__}")
+            for name, why in states.items():
+                if not _globals.known(name):
+                    raise ValueError(
+                        f"backend {self.name!r}: changes_globals[{surface!r}] names "
+                        f"{name!r}, which is not global state the suite reads; known: "
+                        f"{sorted(_globals.READERS)} and env.<VARIABLE>")
+                if not str(why).strip():
+                    raise ValueError(f"backend {self.name!r}: changes_globals[{surface!r}]"
+                                     f"[{name!r}]: say why the surface changes it")
 
     @classmethod
     def from_reference(cls, name: str, *, description: str = "", capabilities=(), without=(),
@@ -231,6 +261,8 @@ class Backend:
             **({"version": self.version} if self.version else {}),
             **({"data_path": [s.describe() for s in self.data_path]} if self.data_path else {}),
             **({"normalisations": dict(self.normalisations)} if self.normalisations else {}),
+            **({"changes_globals": {k: dict(v) for k, v in self.changes_globals.items()}}
+               if self.changes_globals else {}),
         }
 
 

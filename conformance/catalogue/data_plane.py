@@ -513,6 +513,19 @@ DATA_PLANE_CLAUSES: list[Clause] = [
 INTACT = ("a caller (the in-memory path, another rank, a retry, the next stage) keeps using "
           "what it handed over; an operation that writes into it changes that caller's data "
           "with no error")
+# -- no hidden effects: the process-global state every *-NO-GLOBAL-EFFECTS clause reads ----------
+GLOBAL_STATE = ("torch's, Python's and NumPy's global RNGs (CUDA's once initialised), the default "
+                "dtype and device, grad, inference and anomaly mode, the deterministic-"
+                "algorithm, cuDNN and TF32 flags, torch's thread counts and the environment "
+                "variables")
+GLOBAL_EFFECTS = ("state shared by everything in the process: an operation that seeds a global "
+                  "RNG (transformers.set_seed, torch.manual_seed) makes every later shuffle, "
+                  "dropout mask and sample repeat; one that leaves grad mode off makes the next "
+                  "backward record nothing; a default dtype or thread count set and not restored "
+                  "changes every later allocation or kernel. None of it raises or shows in the "
+                  "operation's result")
+UNLESS_DECLARED = (", except what the backend declares it must change there "
+                   "(Backend.changes_globals, which the report lists).")
 REGIME_CLAUSES: list[Clause] = [
     Clause(
         "WIRE-INPUT-INTACT",
@@ -546,6 +559,45 @@ REGIME_CLAUSES: list[Clause] = [
         "in-place DataProto, meta_info and tensor-dict updates) changes it for every later "
         "stage and misaligns it with everything computed before",
         ("stage_inputs_cast_caller_media", "micro_batches_annotate_caller"),
+    ),
+    Clause(
+        "DP-NO-GLOBAL-EFFECTS",
+        "put (tensor and, where stored, object columns), get (a key named twice, a key not "
+        "stored), list and clear (keys, a partition) MUST leave " + GLOBAL_STATE + " as they "
+        "were" + UNLESS_DECLARED,
+        "transport",
+        GLOBAL_EFFECTS + "; store clients configure their worker processes through the "
+        "environment",
+        ("store_client_exports_env",),
+    ),
+    Clause(
+        "WIRE-NO-GLOBAL-EFFECTS",
+        "encode (with and without a pixel dtype) and decode, of packed media and of per-row "
+        "dict media, MUST leave " + GLOBAL_STATE + " as they were" + UNLESS_DECLARED,
+        "codec",
+        GLOBAL_EFFECTS + "; a cast done by setting torch's default dtype reaches every tensor "
+        "the process builds afterwards, and an id drawn from a global RNG moves the caller's "
+        "own sampling",
+        ("codec_draws_numpy_rng",),
+    ),
+    Clause(
+        "META-NO-GLOBAL-EFFECTS",
+        "construction, subset, slice, concat, drop, with_fields, stamp_tags and shard_for_dp "
+        "MUST leave " + GLOBAL_STATE + " as they were" + UNLESS_DECLARED,
+        "meta",
+        GLOBAL_EFFECTS + "; a DP balancer that breaks ties with a seeded global RNG re-seeds "
+        "the driver's own sampling",
+        ("dp_shard_seeds_python_random",),
+    ),
+    Clause(
+        "BATCH-NO-GLOBAL-EFFECTS",
+        "validate, multimodal_inputs (every stage, with and without a dtype), truncate, "
+        "pad_to, select, split, concat, micro_batches (with and without a shuffle seed) and "
+        "union MUST leave " + GLOBAL_STATE + " as they were" + UNLESS_DECLARED,
+        "batch_ops",
+        GLOBAL_EFFECTS + "; a shuffle seeded through torch.manual_seed instead of a generator "
+        "of its own resets the RNG the trainer's dropout and the engine's sampling draw from",
+        ("micro_batches_seed_torch_rng",),
     ),
     Clause(
         "WIRE-REGIMES",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .clause import Clause
+from .data_plane import GLOBAL_EFFECTS, GLOBAL_STATE, UNLESS_DECLARED
 
 B3 = "BACKGROUND.md s3: "
 
@@ -117,5 +118,15 @@ GENERATION_CLAUSES: list[Clause] = [
         "rollout's log-softmax, fp32, measured token_mult_prob_error mean 1 + 2.0e-7, per-token "
         "max 1 + 4.8e-7 (TRL's logprobs vs the reference forward: max |diff| 9.5e-7).",
         also=("rollout",),
+    ),
+    Clause(
+        "GEN-NO-GLOBAL-EFFECTS",
+        "generate (a group of identical requests, a request without media, a cap of 0) and "
+        "refit MUST leave " + GLOBAL_STATE + " as they were" + UNLESS_DECLARED,
+        "rollout",
+        GLOBAL_EFFECTS + "; an engine that seeds the global RNGs with its request seed "
+        "(transformers.set_seed) makes the trainer's and the driver's later draws repeat "
+        "from step to step",
+        ("generate_seeds_global_rngs",),
     ),
 ]

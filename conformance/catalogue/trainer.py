@@ -11,6 +11,7 @@ import torch
 from rlconform.reference_impl.loss import LossConfig
 
 from .clause import Clause
+from .data_plane import GLOBAL_EFFECTS, GLOBAL_STATE, UNLESS_DECLARED
 
 B3 = "BACKGROUND.md s3: "
 
@@ -425,5 +426,16 @@ PASS_CLAUSES: list[Clause] = [
         "step's keys); a pass that extends, trims or reorders them in place changes what the "
         "driver holds with no error",
         ("trainer_train_consumes_caller_fields",),
+    ),
+    Clause(
+        "TRAIN-NO-GLOBAL-EFFECTS",
+        "The data-plane trainer's logprob, reference-logprob and train passes and state_dict, "
+        "and the in-memory trainer's passes, MUST leave " + GLOBAL_STATE + " as they were"
+        + UNLESS_DECLARED,
+        "trainer",
+        GLOBAL_EFFECTS + "; a step that turns grad mode off for its metrics and never back "
+        "leaves the driver's next autograd work (a value head, a reward model) without "
+        "gradients",
+        ("train_leaves_grad_disabled", "train_leaves_anomaly_detection_on"),
     ),
 ]

@@ -23,7 +23,7 @@ class Mutant:
 
 MUTANTS: dict[str, Mutant] = {}
 _MODULES = ("transport", "store", "codec", "meta", "batch_ops", "trainer", "rollout", "ranks",
-            "trainer_order")
+            "trainer_order", "global_state")
 
 
 def mutant(name: str, defect: str, surface: str):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rlconform.conformance.catalogue.generation import GEN_SIR_TOL, GEN_TMPE_TOL
+from rlconform.conformance.clauses import _globals
 
 # the numeric gates a trainer or nightly job would apply on these metrics alone (named by
 # their source): probs_ratio with one inner step (BACKGROUND s5: exactly 1; a loose gate would
@@ -120,6 +121,7 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
                 row["killed_by"] = sorted({*kills.get(family, ()), *kills.get("*", ())})
             if device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
+            keep = _globals.saved()  # a hidden-effect mutant's grad mode etc. stays in its row
             try:
                 backend = "reference" if name == "reference" else get_mutant(name).backend()
                 metrics = _step(backend, family, settings, prompts, images, seed)
@@ -130,6 +132,7 @@ def measure(families: list[str], mutants: list[str], device: str, dtype: torch.d
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 traceback.print_exc(limit=2)
             finally:
+                _globals.restore(keep)
                 if device.startswith("cuda"):
                     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
                 _free()
