@@ -88,3 +88,16 @@ def test_a_declared_change_passes_and_the_report_says_so(tmp_path):
     assert seen["value"] >= 2, seen  # shard_for_dp(1) and shard_for_dp(3)
     assert report["backend_info"]["changes_globals"] == {
         "meta": {"python_random": "the balancer breaks ties with a seeded random"}}
+
+
+def test_a_changed_credential_is_named_but_its_value_is_not_shown():
+    """A report may be published: an environment variable whose name looks like a credential's
+    shows as its length and a digest, never its value; others show their values."""
+    from rlconform.conformance.clauses import _globals
+
+    before = {"env.HF_TOKEN": "hf_abcdefsecret", "env.CUBLAS_WORKSPACE_CONFIG": None}
+    after = {"env.HF_TOKEN": "hf_other_secret", "env.CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    got = _globals.changes(before, after)
+    assert set(got) == {"env.HF_TOKEN", "env.CUBLAS_WORKSPACE_CONFIG"}
+    assert "secret" not in got["env.HF_TOKEN"] and "15 characters" in got["env.HF_TOKEN"]
+    assert got["env.CUBLAS_WORKSPACE_CONFIG"] == "unset -> ':4096:8'"

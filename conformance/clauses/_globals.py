@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 from collections.abc import Callable
 
 import torch
@@ -98,19 +99,28 @@ def snapshot() -> dict[str, object]:
     return out
 
 
-def _shown(value: object) -> str:
-    text = "unset" if value is None else repr(value)
+# environment variables whose values a report must not carry (CI hosts hold credentials there)
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def _shown(name: str, value: object) -> str:
+    if value is None:
+        return "unset"
+    if name.startswith(ENV_PREFIX) and _SECRET.search(name):
+        return f"<{len(str(value))} characters, sha256 {_digest(str(value).encode())[:8]}>"
+    text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def changes(before: dict[str, object], after: dict[str, object]) -> dict[str, str]:
     """What differs between two snapshots: name -> `"before -> after"` (an environment variable
-    added or removed shows as unset on that side)."""
+    added or removed shows as unset on that side; the value of one whose name looks like a
+    credential's is shown by its length and a digest only)."""
     out = {}
     for name in sorted(before.keys() | after.keys()):
         a, b = before.get(name), after.get(name)
         if a != b and not (name == "cuda_rng" and a is None):
-            out[name] = f"{_shown(a)} -> {_shown(b)}"
+            out[name] = f"{_shown(name, a)} -> {_shown(name, b)}"
     return out
 
 
