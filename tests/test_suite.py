@@ -181,6 +181,12 @@ def test_a_waiver_that_no_longer_holds_is_xpass(tmp_path):
      'expires = 2099-01-01', "not a valid regex"),
     ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nfamilies = ["x"]\n'
      'expires = 2099-01-01', "params = { family"),
+    # the lint: a branch that is only an exception type, a pattern that matches any text
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\n'
+     'match = "tags differ|TypeError"\nexpires = 2099-01-01',
+     "has a branch that is only an exception type (TypeError)"),
+    ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nmatch = "tags|"\n'
+     'expires = 2099-01-01', "matches any text"),
 ])
 def test_bad_waivers_fail_the_run(tmp_path, body, problem):
     w = _waiver_file(tmp_path, "[[waiver]]\n" + body + "\n")

@@ -156,6 +156,45 @@ def _strings(value, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+# an exception type's name alone: it matches every failure that raises it, whatever the cause
+_BARE_EXCEPTION = re.compile(r"\(?\^?\s*[A-Z]\w*(?:Error|Exception|Warning|Interrupt)\s*:?\s*\$?\)?")
+
+
+def _top_alternatives(pattern: str) -> list[str]:
+    """The branches of `pattern`'s top-level `|` (not those inside groups or classes)."""
+    out, depth, cls, start, i = [], 0, False, 0, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if cls:
+            cls = ch != "]"
+        elif ch == "[":
+            cls = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            out.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    return [*out, pattern[start:]]
+
+
+def _loose_pattern(match: str, regex: re.Pattern) -> str | None:
+    """Why a waiver's pattern would take failures of other causes (None: it names one): it
+    matches any text, or one of its branches is only an exception type's name. A bare
+    `TypeError` branch waived a stage that dropped image_grid_thw on nine families."""
+    if regex.search("") is not None:
+        return "matches any text"
+    bare = [b for b in _top_alternatives(match) if _BARE_EXCEPTION.fullmatch(b.strip())]
+    if bare:
+        return f"has a branch that is only an exception type ({', '.join(bare)})"
+    return None
+
+
 def _parse_waiver(entry: dict, where: str, known: set[str], index: int) -> Waiver:
     """One `[[waiver]]` table as a Waiver; ValueError says what is wrong with it."""
     if not isinstance(entry, dict):
@@ -203,6 +242,11 @@ def _parse_waiver(entry: dict, where: str, known: set[str], index: int) -> Waive
             regex = re.compile(match)
         except re.error as exc:
             raise ValueError(f"{where} ({clause}) match is not a valid regex: {exc}") from exc
+        loose = _loose_pattern(match, regex)
+        if loose:
+            raise ValueError(f"{where} ({clause}) match {match!r} {loose}: name the message "
+                             "of the failure it waives, so that another failure of the same "
+                             "type still fails")
     optional = {}
     for key in OPTIONAL_KEYS:
         if key in entry:
