@@ -79,8 +79,9 @@ def derive(report: Mapping[str, Any]) -> dict[str, Any]:
                 counts["waived"] += 1
             elif c["status"] in FAILING:
                 counts["failed"] += 1
+        # a clause left out of the run ran with nothing: it is counted as not run only
         joint = [{"clause": cid, "lent": [s for s in reaches(cid) if s not in implemented]}
-                 for cid in ids]
+                 for cid in ids if cid in judged]
         entries.append({
             "surface": surface, "clauses": ids, "applicable": len(ids), **counts,
             "score": counts["passed"] / len(ids) if ids else None,
