@@ -87,7 +87,8 @@ def _surface_table(report: Mapping[str, Any]) -> list[str]:
         return []
     rows = []
     for e in scores["surfaces"]:
-        lent = sorted({s for j in e["joint"] for s in j["lent"]})
+        lent = list(dict.fromkeys(s for _, group in sorted(
+            ((len(j["lent"]), j["lent"]) for j in e["joint"]), reverse=True) for s in group))
         joint = f"{len(e['joint'])} (lent: {', '.join(lent)})" if e["joint"] else "—"
         passed = str(e["passed"]) + (f" (+{e['passed_partial']} on judged cells only)"
                                      if e["passed_partial"] else "")
