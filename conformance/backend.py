@@ -250,11 +250,24 @@ class Backend:
     def provides(self, surface: str) -> bool:
         return getattr(self, surface) is not None
 
+    @property
+    def lent(self) -> tuple[str, ...]:
+        """The surfaces this backend takes from the reference unchanged (the parts
+        `from_reference` did not replace): the run exercises them, its report does not score
+        them. The reference itself lends nothing."""
+        if self.name == REFERENCE_NAME:
+            return ()
+        from rlconform.conformance.backends import reference
+
+        return tuple(s for s in self.surfaces
+                     if getattr(self, s) is getattr(reference.backend, s))
+
     def describe(self) -> dict:
         return {
             "name": self.name,
             "description": self.description,
             "surfaces": list(self.surfaces),
+            **({"lent_surfaces": list(self.lent)} if self.lent else {}),
             "capabilities": sorted(self.capabilities),
             "notes": dict(self.notes),
             "source": self.source,

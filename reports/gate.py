@@ -38,14 +38,13 @@ from typing import Any
 from ._common import cells_line, first_line, headline, not_tested_lines, partial_clauses
 from .model import ACCEPTED as _ACCEPTED
 from .model import ReportValidationError, as_report
+from .surfaces import lines as surface_lines
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 # clauses named in the gate's reason for a partial run (each with its first dropped cells)
 CLAUSES_SHOWN = 8
-
-
 
 @dataclass
 class GateResult:
@@ -59,6 +58,8 @@ class GateResult:
     summary: str = ""
     # failed only for being a partial run (clauses deselected, and the coverage that leaves out)
     partial_only: bool = False
+    # the verdict on each surface the backend implements (reports/surfaces.py), one line each
+    surfaces: list[str] = field(default_factory=list)
 
     @property
     def word(self) -> str:
@@ -70,8 +71,11 @@ class GateResult:
             head = "gate: PASS"
         else:
             head = "gate: FAIL" if self.exit_code == EXIT_FAILED else "gate: ERROR (usage)"
-        lines = [head, *([f"  {self.summary}"] if self.summary else []),
-                 *(f"  - {r}" for r in self.reasons)]
+        lines = [head, *([f"  {self.summary}"] if self.summary else [])]
+        if self.surfaces:
+            lines.append("  surfaces judged (each scored on the clauses that touch it):")
+            lines += [f"  · {n}" for n in self.surfaces]
+        lines += [f"  - {r}" for r in self.reasons]
         if self.not_tested:
             lines.append("  not tested (not applicable to this backend):")
             lines += [f"  · {n}" for n in self.not_tested]
@@ -163,7 +167,11 @@ def gate(
     for problem in report.get("problems") or ():
         reasons.append(f"problem: {problem}")
     if report.get("deselected"):
-        reason = f"partial run: clauses not run: {', '.join(report['deselected'])}"
+        ids = report["deselected"]
+        more = f" and {len(ids) - CLAUSES_SHOWN} more (the report lists them)" \
+            if len(ids) > CLAUSES_SHOWN else ""
+        reason = (f"partial run: {len(ids)} applicable clause(s) not run: "
+                  f"{', '.join(ids[:CLAUSES_SHOWN])}{more}")
         reasons.append(reason)
         partial.add(reason)
     dropped_in = partial_clauses(report)
@@ -221,10 +229,11 @@ def gate(
                     )
 
     untested = not_tested_lines(report)
+    surfaces = surface_lines(report)
     if reasons:
         return GateResult(False, reasons, EXIT_FAILED, untested, headline(report),
-                          partial_only=set(reasons) <= partial)
-    return GateResult(True, [], EXIT_OK, untested, headline(report))
+                          partial_only=set(reasons) <= partial, surfaces=surfaces)
+    return GateResult(True, [], EXIT_OK, untested, headline(report), surfaces=surfaces)
 
 
 def tested(report: Mapping[str, Any]) -> set[str]:

@@ -42,6 +42,8 @@ from ._common import (
 from .diff import METRIC_TOLERANCES
 from .gate import gate
 from .model import QUANTILES, STATUSES
+from .surfaces import joint_groups, score_text, surface_scores
+from .surfaces import verdict_word as surface_word
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
 # A span of two decades or more is plotted on a log axis: a ratio whose tail reaches 1e3
@@ -311,6 +313,16 @@ def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
+def _surface_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A row per surface the backend implements: its verdict, score and counts, and the
+    clauses that judged it jointly with parts the reference lent, grouped by those parts."""
+    return [{"surface": e["surface"], "word": surface_word(e), "score": score_text(e),
+             "passed": e["passed"], "partial": e["passed_partial"], "waived": e["waived"],
+             "failed": e["failed"], "not_run": e["not_run"],
+             "joint": [(", ".join(lent), ", ".join(ids)) for lent, ids in joint_groups(e)]}
+            for e in surface_scores(report)["surfaces"]]
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
@@ -384,6 +396,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         "cells_line": cells_line(report),
         "partial_clauses": partial_clauses(report, 5),
         "not_tested": not_tested_lines(report),
+        "surface_scores": _surface_rows(report),
+        "not_scored": surface_scores(report)["not_scored"],
         "data_path": data_path_summary(report),
         "effects": None if not (report.get("mutant_effects") or {}).get("rows") else {
             "caption": mutant_effect_caption(report["mutant_effects"]),

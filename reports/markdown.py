@@ -34,6 +34,8 @@ from ._common import (
 )
 from .gate import gate
 from .model import FAILING, STATUSES
+from .surfaces import joint_groups, score_text, surface_scores
+from .surfaces import verdict_word as surface_word
 
 MESSAGE_LIMIT = 1500  # per failure message: a traceback-sized message must not bury the rest
 TESTS_LIMIT = 5  # failing tests listed per clause; a parametrized clause can fail dozens
@@ -77,6 +79,36 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _surface_table(report: Mapping[str, Any]) -> list[str]:
+    """The verdict on each surface the backend implements (reports/surfaces.py), the clauses
+    that judged it jointly with parts the reference lent, and the surfaces not scored."""
+    scores = surface_scores(report)
+    if not scores["surfaces"]:
+        return []
+    rows = []
+    for e in scores["surfaces"]:
+        lent = list(dict.fromkeys(s for _, group in sorted(
+            ((len(j["lent"]), j["lent"]) for j in e["joint"]), reverse=True) for s in group))
+        joint = f"{len(e['joint'])} (lent: {', '.join(lent)})" if e["joint"] else "—"
+        passed = str(e["passed"]) + (f" (+{e['passed_partial']} on judged cells only)"
+                                     if e["passed_partial"] else "")
+        rows.append([escape(e["surface"]), surface_word(e), escape(score_text(e)), passed,
+                     str(e["waived"]), str(e["failed"]), str(e["not_run"]), joint])
+    out = ["### Surfaces judged", "",
+           *_table(["Surface", "Verdict", "Score", "Passed", "Waived", "Failing", "Not run",
+                    "Jointly with lent parts"], rows), ""]
+    for e in scores["surfaces"]:
+        for lent, ids in joint_groups(e):
+            out.append(f"- {escape(e['surface'])} jointly with the reference's "
+                       f"{escape(', '.join(lent))}: {escape(', '.join(ids))}")
+    if scores["not_scored"]:
+        out.append(f"- not scored (not implemented by the backend; the reference's where a clause "
+                   "needs them): "
+                   f"{escape(', '.join(scores['not_scored']))}")
+    out.append("")
+    return out
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
@@ -93,6 +125,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     )
     lines.append(f"{counts} · {summary['total']} clauses")
     lines.append("")
+    lines.extend(_surface_table(report))
     info = report.get("backend_info") or {}
     if info.get("version"):
         lines.append(f"System under test: {escape(info['version'])}")

@@ -35,6 +35,7 @@ from ._common import (
     untested,
 )
 from .model import STATUSES, ReportValidationError, load_report
+from .surfaces import score_text, surface_scores
 
 ABSENT = "absent"
 ABSENT_MARK = "-"
@@ -236,6 +237,40 @@ def score_cells(entry: Entry) -> list[str]:
             f"{u['by_choice']} / {u['by_capability']}"]
 
 
+SURFACE_NOTE = ("Per surface: each surface a backend implements, scored on the applicable "
+                "clauses whose tests touch it (passed without a waiver / applicable; a lower "
+                "bound where cells or clauses were left out), with how many of them ran jointly "
+                "with parts the reference lent; - where the backend does not implement the "
+                "surface (lent: it takes the reference's).")
+
+
+def surface_rows(board: Scoreboard) -> list[tuple[str, list[str]]]:
+    """(surface, one cell per entry) for every surface some backend implements, in SURFACES
+    order: `100.0% (24/24)`, `50.0% (6/12); 2 waived, 4 failing, 4 joint`, `lent`, `-`."""
+    from rlconform.conformance.backend import SURFACES
+
+    scores = [surface_scores(e.report) for e in board.entries]
+    shown = [s for s in SURFACES if any(s in sc["implemented"] for sc in scores)]
+    shown += sorted({s for sc in scores for s in sc["implemented"]} - set(shown))
+    rows = []
+    for surface in shown:
+        cells = []
+        for e, sc in zip(board.entries, scores):
+            entry = next((x for x in sc["surfaces"] if x["surface"] == surface), None)
+            if entry is None:
+                lent = surface in (e.report["backend_info"].get("lent_surfaces") or ())
+                cells.append("lent" if lent else ABSENT_MARK)
+                continue
+            beside = [f"{entry[k]} {label}" for k, label in (
+                ("waived", "waived"), ("failed", "failing"), ("not_run", "not run"))
+                if entry[k]]
+            if entry["joint"]:
+                beside.append(f"{len(entry['joint'])} joint")
+            cells.append(score_text(entry) + (f"; {', '.join(beside)}" if beside else ""))
+        rows.append((surface, cells))
+    return rows
+
+
 def provenance_line(report: Mapping[str, Any]) -> str:
     """Where and how a report was made: profile, device, dtype, date, rlconform commit."""
     p = report["provenance"]
@@ -288,6 +323,11 @@ def render_markdown(board: Scoreboard, out_dir: str | Path | None = None) -> str
         lines.append(f"| `{e.label}` | {_md_escape(e.version) or '—'} | "
                      f"{_md_escape(provenance_line(e.report))}{stale} | "
                      + " | ".join(score_cells(e)) + f" | {ref} |")
+    lines += ["", SURFACE_NOTE, "",
+              "| surface | " + " | ".join(f"`{e.label}`" for e in board.entries) + " |",
+              "|---|" + "---|" * len(board.entries)]
+    lines += [f"| {surface} | " + " | ".join(_md_escape(c) for c in cells) + " |"
+              for surface, cells in surface_rows(board)]
     families = board.families()
     if families:
         lines += ["", "Per model family: clauses whose tests on the family all pass without a "
@@ -377,6 +417,14 @@ def render_html(board: Scoreboard, out_dir: str | Path | None = None) -> str:
             title = f" title='{e_(note)}'" if note else ""
             parts.append(f"<td class='s {status}'{title}>{e_(label)}</td>")
         parts.append("</tr>")
+    parts.append("</tbody></table>")
+    parts.append(f"<h2>Per surface</h2><p><small>{e_(SURFACE_NOTE)}</small></p>"
+                 "<table id='surfaces'><thead><tr><th>surface</th>")
+    parts += [f"<th><code>{e_(e.label)}</code></th>" for e in board.entries]
+    parts.append("</tr></thead><tbody>")
+    for surface, cells in surface_rows(board):
+        parts.append(f"<tr><td>{e_(surface)}</td>"
+                     + "".join(f"<td>{e_(c)}</td>" for c in cells) + "</tr>")
     parts.append("</tbody></table>")
     families = board.families()
     if families:

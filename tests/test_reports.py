@@ -1072,3 +1072,105 @@ def test_the_headline_is_the_honest_score_with_the_rest_beside_it(tmp_path):
     interrupted["problems"] = ["run interrupted before every selected test reported: 3 of 9"]
     md = write_reports(interrupted, tmp_path / "int")["markdown"].read_text()
     assert "score n/a: run incomplete" in md and "100.0%" not in md
+
+
+# --- scores per surface ------------------------------------------------------------------------
+
+
+def store_author_report(failing=("DP-CONCURRENT",), deselected=()) -> dict:
+    """The report of `Backend.from_reference("my-store", transport=MyStore)` over the whole
+    catalogue: every clause applies (the reference lends the other five surfaces); `failing`
+    clauses failed, `deselected` ones were left out of the run."""
+    from rlconform.conformance import catalogue
+
+    report = example_report(failing=False)
+    template = report["clauses"][0]
+    report["backend"] = "my-store"
+    report["backend_info"].update(
+        name="my-store", surfaces=["transport", "codec", "meta", "batch_ops", "trainer",
+                                   "rollout"],
+        lent_surfaces=["codec", "meta", "batch_ops", "trainer", "rollout"])
+    clauses = []
+    for c in catalogue.CLAUSES:
+        if c.id in deselected:
+            continue
+        entry = copy.deepcopy(template)
+        entry.update(id=c.id, title=c.must, surface=c.surface, mutants=list(c.mutants))
+        entry["tests"] = entry["tests"][:1]
+        if c.id in failing:
+            entry.update(status="failed", message="boom")
+            entry["tests"][0].update(outcome="failed", message="boom")
+        clauses.append(entry)
+    report["clauses"] = clauses
+    report["deselected"] = list(deselected)
+    report["summary"] = summarize_clauses(clauses, not_run=len(deselected))
+    return report
+
+
+def test_a_store_authors_report_scores_the_store_on_the_clauses_that_touch_it():
+    """A store built with from_reference: the store is scored on the clauses whose tests
+    touch it (its own, and trainer / generation / rank clauses that move data through it,
+    listed with the reference parts they ran with); the codec, meta, batch-ops, trainer and
+    rollout clauses that never touch the store do not dilute its score."""
+    from rlconform.reports.surfaces import derive, lines, surface_scores
+
+    report = store_author_report()
+    validate_report(report)
+    scores = surface_scores(report)
+    assert scores["implemented"] == ["transport"]
+    assert scores["not_scored"] == ["codec", "meta", "batch_ops", "trainer", "rollout"]
+    (store,) = scores["surfaces"]
+    ids = set(store["clauses"])
+    assert {"DP-CONCURRENT", "DP-ROUNDTRIP", "TRAIN-RATIO-ONE", "RANK-DP-PARITY"} <= ids
+    assert not ids & {"WIRE-ROUNDTRIP", "META-TAGS", "BATCH-TRUNCATE", "GEN-ROLLOUT-FIELDS"}
+    assert store["failed"] == 1 and store["passed"] == store["applicable"] - 1 < 72
+    assert store["score"] == pytest.approx((len(ids) - 1) / len(ids))
+    assert report["summary"]["score"] > store["score"]  # the run's score is diluted
+    joint = {j["clause"]: j["lent"] for j in store["joint"]}
+    assert joint["TRAIN-RATIO-ONE"] == ["codec", "meta", "trainer"]
+    assert joint["DP-ROUNDTRIP"] == ["codec"] and "DP-CONCURRENT" not in joint
+    assert lines(report)[0].startswith(f"transport: FAIL {store['score']:.1%} (")
+    # written into a new report, derived from an older one: the same verdict
+    assert derive(report) == scores
+    report["surface_scores"] = scores
+    validate_report(report)
+    assert surface_scores(report) is report["surface_scores"]
+
+    md = render_markdown(report)
+    top = md[:md.index("### Clauses")]
+    assert "### Surfaces judged" in top
+    assert re.search(r"\| transport \| FAIL \| [\d.]+% \(\d+/\d+\)", top), top
+    assert re.search(r"- transport jointly with the reference's codec, meta, trainer: "
+                     r"[A-Z-, ]*TRAIN-RATIO-ONE", top), top
+    assert "not scored (not implemented by the backend" in top
+    page = render_html(report)
+    assert 'id="surface-scores"' in page and "TRAIN-RATIO-ONE" in page
+    text = gate(report).render()
+    assert "surfaces judged" in text and "· transport: FAIL" in text, text
+
+
+def test_a_reference_part_left_out_of_the_run_makes_the_surface_score_a_lower_bound():
+    """`--surfaces transport` on a store author's backend: the trainer clauses that touch the
+    store are not run, so the store's verdict is PARTIAL with a lower-bound score; the gate
+    names the clauses not run once, briefly, and the report's top lists them once."""
+    from rlconform.conformance import catalogue
+    from rlconform.reports.surfaces import surface_scores
+
+    left_out = [c.id for c in catalogue.CLAUSES if "transport" not in c.surfaces]
+    report = store_author_report(failing=(), deselected=left_out)
+    validate_report(report)
+    (store,) = surface_scores(report)["surfaces"]
+    touching = [cid for cid in left_out if cid.startswith(("TRAIN-", "GEN-LOGPROB", "GEN-REFIT"))]
+    assert touching and store["not_run"] == len(touching) and store["lower_bound"]
+    assert store["failed"] == 0 and store["score"] < 1
+    result = gate(report)
+    assert not result.ok and result.word == "PARTIAL"
+    (reason,) = [r for r in result.reasons if "not run" in r]
+    assert reason.startswith(f"partial run: {len(left_out)} applicable clause(s) not run: ")
+    assert f"and {len(left_out) - 8} more" in reason
+    assert "· transport: PARTIAL" in result.render() and "a lower bound" in result.render()
+    page = render_html(report)
+    header = page[:page.index("<h2>Clauses</h2>")]
+    assert header.count(left_out[-1]) == 1, "a clause not run is listed twice at the top"
+    md = render_markdown(report)
+    assert md.count(left_out[-1]) == 1, md[:3000]

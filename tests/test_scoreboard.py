@@ -263,3 +263,26 @@ def test_committed_reports_are_current():
     assert not stale, (f"committed reports made under another clause catalogue than the "
                        f"current one ({current}): {', '.join(stale)}; regenerate them with "
                        "`nox -s backend_reports -- NAME ...`")
+
+
+def test_each_implemented_surface_is_scored_in_its_backends_column(tmp_path):
+    """The per-surface table: a store built with from_reference is scored on its store alone
+    (the surfaces it borrows read `lent`); the reference on every surface; a surface a backend
+    neither implements nor borrows reads `-`. Committed reports without the section get it at
+    read time."""
+    ref = report("reference")
+    ref["backend_info"]["surfaces"] = ["transport", "codec", "meta", "batch_ops", "trainer",
+                                       "rollout"]
+    store = report("my-store")
+    store["backend_info"].update(surfaces=["transport", "codec", "trainer", "rollout"],
+                                 lent_surfaces=["codec", "trainer", "rollout"])
+    board = sb.build(sb.load_entries([write(tmp_path, "r.json", ref),
+                                      write(tmp_path, "s.json", store)]))
+    md = sb.render_markdown(board)
+    assert "Per surface:" in md
+    transport, codec = row(md, "transport"), row(md, "codec")
+    assert transport[1].startswith("100.0% (") and transport[2].startswith("100.0% (")
+    assert "joint" in transport[2] and "joint" not in transport[1]
+    assert codec[1].startswith("100.0%") and codec[2] == "lent"
+    assert row(md, "trainer")[2] == "lent"
+    assert "id='surfaces'" in sb.render_html(board)

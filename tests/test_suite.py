@@ -510,3 +510,92 @@ def test_a_failure_group_is_waived_only_when_every_member_is():
     both = ExceptionGroup("two", [RuntimeError("defect A"), ValueError("defect A again")])
     found = ctx.find(both)
     assert found is not None and [x.index for x, _ in found] == [1, 1]
+
+
+STORE_AUTHOR_BACKEND = TWO_DEFECTS_BACKEND.replace(
+    'backend = Backend(name="two-defects", transport=TwoDefects, capabilities={"partitions"})',
+    'backend = Backend.from_reference("two-defects-store", transport=TwoDefects,\n'
+    '                                 capabilities={"partitions"})')
+
+
+def test_a_store_built_from_the_reference_is_scored_on_its_store(tmp_path):
+    """`Backend.from_reference(name, transport=...)`: the report records the surfaces the
+    reference lent, scores the store alone on the clauses that touch it, and says so at its
+    top and in the gate's output; with `--surfaces transport` the store's own verdict is
+    partial too (the trainer clauses that move data through it did not run)."""
+    (tmp_path / "store_author.py").write_text(STORE_AUTHOR_BACKEND)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code, report, out = run_suite(tmp_path, "store_author:backend", "--surfaces", "transport",
+                                  "-k", "test_property_columns_roundtrip or test_tags",
+                                  env=env)
+    assert report is not None, out[-3000:]
+    assert report["backend_info"]["lent_surfaces"] == ["codec", "meta", "batch_ops", "trainer",
+                                                       "rollout"]
+    scores = report["surface_scores"]
+    assert scores["implemented"] == ["transport"], scores
+    (store,) = scores["surfaces"]
+    assert "DP-ROUNDTRIP" in store["clauses"] and "TRAIN-RATIO-ONE" in store["clauses"]
+    assert "WIRE-ROUNDTRIP" not in store["clauses"]
+    assert store["failed"] >= 1 and store["not_run"] >= 13 and store["lower_bound"]
+    assert {"clause": "DP-ROUNDTRIP", "lent": ["codec"]} in store["joint"]
+    found = sorted(tmp_path.glob("run*/*/report.md"))
+    md = found[0].read_text()
+    assert "### Surfaces judged" in md and "| transport | FAIL |" in md, md[:3000]
+    gate_out = subprocess.run(
+        [sys.executable, "-m", "rlconform.conformance.cli", "gate",
+         str(found[0].with_name("report.json"))], capture_output=True, text=True, cwd=ROOT)
+    assert "· transport: FAIL" in gate_out.stdout, gate_out.stdout + gate_out.stderr
+    assert "not scored (not implemented by the backend" in gate_out.stdout
+
+
+def test_the_surfaces_a_clause_touches_cover_every_surface_fixture_its_tests_request(tmp_path):
+    """catalogue/docs.surfaces_by_clause reads the clause modules without importing them; every
+    surface fixture pytest resolves for a clause test (the closure of what it requests) is among
+    the surfaces it derives for the test's clauses."""
+    from rlconform.conformance.catalogue.docs import surfaces_by_clause
+    from rlconform.conformance.engine.items import SURFACE_FIXTURES
+    from rlconform.conformance.engine.runner import pytest_args
+
+    (tmp_path / "fixture_dump.py").write_text(textwrap.dedent("""
+        import json, os
+
+        def pytest_collection_finish(session):
+            out = {it.nodeid: [[i for m in it.iter_markers("clause") for i in m.args],
+                               sorted(set(it.fixturenames))] for it in session.items}
+            with open(os.environ["FIXTURE_DUMP"], "w") as f:
+                json.dump(out, f)
+    """))
+    dump = tmp_path / "dump.json"
+    args = pytest_args("reference", ["--collect-only", "-q", "-p", "fixture_dump",
+                                     "--report-dir", str(tmp_path / "out")], None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *args], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "FIXTURE_DUMP": str(dump),
+             "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        timeout=600)
+    assert dump.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    derived = surfaces_by_clause()
+    items = json.loads(dump.read_text())
+    assert len(items) > 100
+    missing = []
+    for nodeid, (ids, fixtures) in items.items():
+        need = {s for f in fixtures for s in SURFACE_FIXTURES.get(f, ())}
+        for cid in ids:
+            if need - set(derived[cid]):
+                missing.append(f"{nodeid} ({cid}): {sorted(need - set(derived[cid]))}")
+    assert not missing, missing[:10]
+    assert set(derived["TRAIN-RATIO-ONE"]) >= {"transport", "codec", "meta", "trainer"}
+    assert "trainer" in derived["RANK-DP-PARITY"]  # built in the rank processes: backend.trainer
+
+
+def test_a_backend_from_the_reference_lends_the_surfaces_it_did_not_replace():
+    from rlconform.conformance.backend import Backend
+    from rlconform.conformance.backends.reference import backend as reference
+    from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+    store = Backend.from_reference("my-store", transport=InMemoryDataPlane)
+    assert store.lent == ("codec", "meta", "batch_ops", "trainer", "rollout")
+    assert store.describe()["lent_surfaces"] == list(store.lent)
+    assert reference.lent == () and "lent_surfaces" not in reference.describe()
+    plain = Backend(name="plain-store", transport=InMemoryDataPlane)
+    assert plain.lent == () and plain.surfaces == ("transport",)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import cache
 
 
 def tests_by_clause() -> dict[str, list[str]]:
@@ -146,3 +147,142 @@ def refresh(root) -> list[str]:
     _splice(root / "docs" / "backends.md", DATA_PATH_START, DATA_PATH_END, data_path_tables())
     write_scoreboard([root / "docs" / "backend-reports"], root / "docs" / "scoreboard.md", None)
     return ["docs/clauses.md", "README.md", "docs/backends.md", "docs/scoreboard.md"]
+
+
+@cache
+def surfaces_by_clause() -> dict[str, tuple[str, ...]]:
+    """Clause ID -> every backend surface its tests touch, in SURFACES order: the clause's own
+    surfaces, the surfaces of the fixtures its tests request (the closure, as pytest resolves
+    it: `transport`, `codec` through `codec_factory`, `meta_cls`, `batch_ops`: engine/items.
+    SURFACE_FIXTURES) and every `backend.<surface>` the test, its fixtures or the clause-package
+    code they name reach (a trainer clause that moves its data through the transport, a DP
+    clause that encodes with the codec, a generation clause that builds the trainer). Read
+    from the clause modules without importing them, like `tests_by_clause`; conservative: a
+    helper that names a surface counts for every test that names the helper."""
+    from rlconform.conformance.backend import SURFACES
+    from rlconform.conformance.catalogue import CLAUSES
+
+    tests, tied = _surfaces_by_test(), tests_by_clause()
+    out = {}
+    for c in CLAUSES:
+        found = set(c.surfaces)
+        for test in tied.get(c.id, ()):
+            found |= tests.get(test, set())
+        out[c.id] = tuple(s for s in SURFACES if s in found)
+    return out
+
+
+def _surfaces_by_test() -> dict[str, set[str]]:
+    """`test_x.py::test_y` -> the surfaces it touches (surfaces_by_clause)."""
+    import ast
+    from pathlib import Path
+
+    import rlconform.conformance.clauses as pkg
+    import rlconform.conformance.engine as engine
+    from rlconform.conformance.backend import SURFACES
+    from rlconform.conformance.engine.items import SURFACE_FIXTURES
+
+    clauses_dir = Path(pkg.__path__[0])
+    modules = {p.stem: _ModuleScan(ast.parse(p.read_text(encoding="utf-8")), SURFACES)
+               for p in sorted(clauses_dir.glob("*.py"))}
+    plugin = _ModuleScan(ast.parse((Path(engine.__path__[0]) / "fixtures.py").read_text(
+        encoding="utf-8")), SURFACES)
+
+    def node_surfaces(module: str, name: str, seen: set) -> set[str]:
+        if (module, name) in seen or name not in modules[module].nodes:
+            return set()
+        seen.add((module, name))
+        scan = modules[module]
+        found = set(scan.direct[name])
+        for ref in scan.names[name]:
+            if ref in scan.nodes:
+                found |= node_surfaces(module, ref, seen)
+            elif ref in scan.imports and scan.imports[ref][0] in modules:
+                found |= node_surfaces(scan.imports[ref][0], scan.imports[ref][1], seen)
+        return found
+
+    def fixture_surfaces(module: str, fixture: str, seen: set) -> set[str]:
+        if (module, "fixture", fixture) in seen:
+            return set()
+        seen.add((module, "fixture", fixture))
+        found = set(SURFACE_FIXTURES.get(fixture, ()))
+        if fixture in modules[module].fixtures:  # a module's own fixture shadows the plugin's
+            params = modules[module].fixtures[fixture]
+            found |= node_surfaces(module, fixture, seen)
+        elif fixture in plugin.fixtures:
+            params = plugin.fixtures[fixture]
+            found |= plugin.direct[fixture]
+        else:
+            return found
+        for p in params:
+            found |= fixture_surfaces(module, p, seen)
+        return found
+
+    out: dict[str, set[str]] = {}
+    for module, scan in modules.items():
+        if not module.startswith("test_"):
+            continue
+        for name, params in scan.tests.items():
+            seen: set = set()
+            found = node_surfaces(module, name, seen)
+            for p in params:
+                found |= fixture_surfaces(module, p, seen)
+            out[f"{module}.py::{name}"] = found
+    return out
+
+
+class _ModuleScan:
+    """One module's top-level definitions: the names each refers to, the backend surfaces each
+    reaches as `backend.<surface>` / `self.backend.<surface>`, its fixtures and tests with
+    their parameters, and what it imports from sibling modules."""
+
+    def __init__(self, tree, surfaces) -> None:
+        import ast
+
+        self.nodes: set[str] = set()
+        self.names: dict[str, set[str]] = {}
+        self.direct: dict[str, set[str]] = {}
+        self.fixtures: dict[str, list[str]] = {}
+        self.tests: dict[str, list[str]] = {}
+        self.imports: dict[str, tuple[str, str]] = {}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                stem = (node.module or "").rsplit(".", 1)[-1]
+                for alias in node.names:
+                    self.imports[alias.asname or alias.name] = (stem, alias.name)
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            refs = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            direct = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                      and n.attr in surfaces and _names_backend(n.value)}
+            for name in names:
+                self.nodes.add(name)
+                self.names[name] = refs - {name}
+                self.direct[name] = direct
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [a.arg for a in node.args.args + node.args.kwonlyargs]
+                if any(_is_fixture(d) for d in node.decorator_list):
+                    self.fixtures[node.name] = params
+                elif node.name.startswith("test_"):
+                    self.tests[node.name] = params
+
+
+def _names_backend(node) -> bool:
+    """`backend` or `<anything>.backend`: where a clause test holds the backend under test."""
+    import ast
+
+    return (isinstance(node, ast.Name) and node.id == "backend") or \
+        (isinstance(node, ast.Attribute) and node.attr == "backend")
+
+
+def _is_fixture(decorator) -> bool:
+    import ast
+
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return ast.unparse(target) in ("pytest.fixture", "fixture")

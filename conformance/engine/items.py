@@ -15,6 +15,10 @@ HYPOTHESIS_PROP = "rlconform_hypothesis"  # hypothesis' notes on a failure (outc
 NA_PREFIX = "not_applicable: "
 
 MODEL_SURFACES = ("trainer", "rollout")
+# the plugin's fixtures that hand a test a surface of the backend (the reference's where the
+# backend lends it: fixtures.py); catalogue/docs.surfaces_by_clause reads which tests use them
+SURFACE_FIXTURES = {"transport": ("transport",), "codec_factory": ("codec",),
+                    "meta_cls": ("meta",), "batch_ops": ("batch_ops",)}
 # the xdist groups the plugin makes (an "@rlconform-..." suffix of a test's id under loadgroup)
 GROUP_PREFIX = "rlconform-"
 # the xdist group of the model-building tests on a GPU (collection.one_device_group)

@@ -217,7 +217,7 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
     run_cells = None if ledger is None else cells.run_cells(
         clauses, {cid: cells_by_clause.get(cid, []) for cid in deselected + elsewhere}, ledger,
         partial_ok)
-    return {
+    report = {
         "schema_version": SCHEMA_VERSION,
         "backend": st.backend.name,
         "backend_info": st.backend.describe(),
@@ -233,6 +233,10 @@ def assemble(st, prov: dict, subset: bool, collectonly: bool = False,
         "mutant_effects": mutant_effects,
         "problems": problems,
     }
+    from rlconform.reports.surfaces import derive
+
+    report["surface_scores"] = derive(report)  # after the clauses, from them
+    return report
 
 
 def _test_entry(t: dict) -> dict:
