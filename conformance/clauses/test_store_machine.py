@@ -283,16 +283,21 @@ class StoreMachine(RuleBasedStateMachine):
         if not isinstance(cols, dict) or set(cols) != set(want):
             found = sorted(cols) if isinstance(cols, dict) else type(cols).__name__
             self._fail(f"get returned columns {found} for select_fields {sorted(want)}", src)
+        # a get may name a key more than once: a difference then says so (it is where stores
+        # that fetch into one buffer per key go wrong, and where a waiver can name that case)
+        twice = [k for k in dict.fromkeys(keys) if list(keys).count(k) > 1]
+        named = f" (the get names {twice!r} more than once)" if twice else ""
         for f, (layout, rows) in want.items():
             why = column_difference(f, layout, rows, cols[f])
             if why:
                 check = self._row_check(p, keys, f, layout, rows, cols[f]) or \
                     _shape_check(f, layout, len(rows))
-                self._fail(f"get: {why}", src, f"expected {len(rows)} rows of "
+                self._fail(f"get: {why}{named}", src, f"expected {len(rows)} rows of "
                            f"{layout.describe()}", check)
         why = tags_difference(want_tags, got_tags)
         if why:
-            self._fail(f"get: {why}", src, check=f"assert tags == {py_source(want_tags)}")
+            self._fail(f"get: {why}{named}", src,
+                       check=f"assert tags == {py_source(want_tags)}")
         why = shared_between_rows(cols, got_tags)
         if why:
             self._fail(f"get: rows of one result share an object: {why}", src)
