@@ -241,6 +241,26 @@ def _is_meta(obj) -> bool:
     return all(hasattr(obj, a) for a in _META_ATTRS) and not isinstance(obj, type)
 
 
+class Attempts:
+    """The operations a clause test runs for their side effects (arguments intact, global state
+    unchanged): one that raises is recorded, not raised (raising is judged by other clauses),
+    and the test can then require that something ran."""
+
+    def __init__(self):
+        self.ran: list[str] = []
+        self.raised: list[str] = []
+
+    def attempt(self, what: str, fn):
+        """`fn()`'s result, or None when it raised."""
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - raising is judged by other clauses
+            self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
+            return None
+        self.ran.append(what)
+        return out
+
+
 def snapshot(obj):
     """A deep, bit-exact record of `obj` (see `assert_unchanged`)."""
     import math

@@ -35,7 +35,7 @@ from rlconform.reference_impl.grpo import mint_keys, put_advantages, write_rollo
 from rlconform.reference_impl.registry import Stage
 
 from . import _globals
-from ._check import sample_meta
+from ._check import Attempts, sample_meta
 
 # two batches for the data-plane surfaces: packed media of unequal sizes with M-RoPE
 # position_ids, and per-row dict media (object columns: None, {}, images, videos, both)
@@ -46,15 +46,14 @@ FAMILY = "qwen2_vl"  # the trainer's and engine's: media of several sizes, M-RoP
 IMAGES = (1, 2, 1)  # images per prompt for the trainer's batch (test_trainer_order's)
 
 
-class _Watch:
+class _Watch(Attempts):
     """Runs one surface's operations, each between a snapshot of the process-global state and
     a comparison."""
 
     def __init__(self, backend, surface: str):
+        super().__init__()
         self.surface = surface
         self.declared = dict(backend.changes_globals.get(surface, {}))
-        self.ran: list[str] = []
-        self.raised: list[str] = []
         self.declared_changes: dict[str, list[str]] = {}
 
     def call(self, what: str, fn):
@@ -62,13 +61,7 @@ class _Watch:
         raised (raising is judged by other clauses)."""
         keep = _globals.saved()
         before = _globals.snapshot()
-        try:
-            out = fn()
-        except Exception as exc:  # noqa: BLE001 - raising is judged by other clauses
-            self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
-            out = None
-        else:
-            self.ran.append(what)
+        out = self.attempt(what, fn)
         changed = _globals.changes(before, _globals.snapshot())
         for name in changed.keys() & self.declared.keys():
             self.declared_changes.setdefault(name, []).append(what)

@@ -25,27 +25,17 @@ from hypothesis import strategies as st
 from rlconform.fixtures.strategies import given_batches, hetero_cases
 from rlconform.reference_impl.registry import Stage
 
-from ._check import assert_unchanged, sample_meta, snapshot
+from ._check import Attempts, assert_unchanged, sample_meta, snapshot
 
 
-class _Ops:
+class _Ops(Attempts):
     """Runs operations on arguments, checking after each that the arguments are unchanged."""
-
-    def __init__(self):
-        self.ran: list[str] = []
-        self.raised: list[str] = []
 
     def check(self, what: str, fn, *args):
         """`fn()` with every one of `args` (objects it receives) snapshotted before, compared
         after; returns fn's result, or None when it raised."""
         before = [snapshot(a) for a in args]
-        try:
-            out = fn()
-        except Exception as exc:  # noqa: BLE001 - raising is judged by other clauses
-            self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
-            out = None
-        else:
-            self.ran.append(what)
+        out = self.attempt(what, fn)
         for k, (snap, arg) in enumerate(zip(before, args)):
             assert_unchanged(snap, arg, f"argument {k} of {what}")
         return out
