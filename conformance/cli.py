@@ -184,7 +184,7 @@ def _cmd_shard_durations(a, extra) -> int:
         if "clauses" in doc:
             doc = _load(path)
         regime, tests, mutants = shards.durations_from(doc)
-        record = shards.fold(record, regime, tests, mutants)
+        record = shards.fold(record, regime, tests, mutants, shards.killers_from(doc))
     text = json.dumps(record, indent=2) + "\n"
     if a.write:
         shards.DURATIONS_PATH.write_text(text)

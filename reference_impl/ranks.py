@@ -27,9 +27,13 @@ How ranks are started (the launcher)
 `backend.trainer(settings, transport, codec, ranks=RankLaunch(world, backend=SPEC, ...))`
 returns a `RankGroup` in the driver instead of a trainer (a backend whose ranks are launched
 otherwise, e.g. as Ray actors, returns its own object with the same methods). The reference
-group starts `world` processes `python -m rlconform.reference_impl.ranks --driver HOST:PORT
---rank R` (the authentication key in the environment, PR_SET_PDEATHSIG so a rank dies with its
-driver), each connects back over `multiprocessing.connection`, then every rank joins
+group starts `world` rank processes, each running `rank_main --driver HOST:PORT --rank R` (the
+authentication key in the environment, PR_SET_PDEATHSIG so a rank dies with its driver):
+forked from a fork server that has imported torch, transformers' models and rlconform once per
+driver process (multiprocessing's forkserver, started at the first group; the driver's
+environment of that group is the rank's), or, with RLCONFORM_RANK_START=exec, as fresh
+interpreters `python -m rlconform.reference_impl.ranks`. Each connects back over
+`multiprocessing.connection`, then every rank joins
 `torch.distributed` (TCP rendezvous on loopback; gloo on CPU, NCCL when each rank has its own
 GPU, gloo when several ranks share one GPU). Inside a rank the default process group *is* the
 data-parallel group. `SPEC` is what `load_backend` understands (a registered name,
@@ -271,6 +275,106 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+# -- how rank processes start --------------------------------------------------------------------
+START_ENV = "RLCONFORM_RANK_START"
+# what a rank imports before it can connect: ~3 s of CPU a process (torch, transformers' models)
+_PRELOAD = ["torch", "torch.distributed", "rlconform.reference_impl.ranks",
+            "rlconform.fixtures.families", "rlconform.conformance.backend"]
+
+
+def _start_method() -> str:
+    """"forkserver" (the default on Linux): ranks are forked from a server process that has
+    imported what every rank needs, once per driver process; "exec": each rank is a fresh
+    interpreter (`python -m rlconform.reference_impl.ranks`), for a backend whose rank must not
+    inherit those imports. A group of two ranks started in ~0.2 s instead of ~3 s of CPU each,
+    which was most of a small rank test and of every rank mutant's run."""
+    method = os.environ.get(START_ENV, "forkserver")
+    if method not in ("forkserver", "exec"):
+        raise ValueError(f"{START_ENV} must be 'forkserver' or 'exec', got {method!r}")
+    if method == "forkserver":
+        import multiprocessing
+
+        if "forkserver" not in multiprocessing.get_all_start_methods():
+            return "exec"
+    return method
+
+
+_FORKSERVER = None
+
+
+def _forkserver():
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        # the server is started at the first rank of this process and imports these once;
+        # it never runs a collective or touches a GPU, so what it forks is a clean rank
+        ctx.set_forkserver_preload(_PRELOAD)
+        _FORKSERVER = ctx
+    return _FORKSERVER
+
+
+def start_launcher() -> None:
+    """Start this process's rank launcher now, where ranks are forked: the fork server and
+    multiprocessing's resource tracker, which then live as long as this process. For a caller
+    that counts its child processes before and after a group."""
+    if _start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        _forkserver()
+        forkserver.ensure_running()
+
+
+def _forked_rank_main(argv: list[str], env: dict[str, str], log: str) -> None:  # pragma: no cover
+    """A rank forked from the server: the driver's environment of this group, output to the
+    rank's log, SIGKILL with its parent (the server, which ends with the driver), then
+    rank_main as a fresh interpreter would run it."""
+    os.environ.clear()
+    os.environ.update(env)
+    out = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    _die_with_parent()
+    code = rank_main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as `python -m ...ranks` does: no interpreter teardown
+
+
+class _ForkedRank:
+    """A rank process forked by the server, with the part of subprocess.Popen the group uses
+    (pid, poll, returncode, wait, terminate, kill; negative codes are signals, as there)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: str):
+        self._p = _forkserver().Process(target=_forked_rank_main, args=(argv, env, log),
+                                        name=f"rlconform-rank {argv[-1]}", daemon=True)
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self._p.exitcode
+
+    def terminate(self) -> None:
+        self._p.terminate()
+
+    def kill(self) -> None:
+        self._p.kill()
+
+
 def _how_it_ended(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -327,10 +431,14 @@ class RankGroup:
         for r in range(self.world):
             fd, log = tempfile.mkstemp(prefix=f"rlconform-rank{r}-", suffix=".log")
             self._logs.append(log)
+            argv = ["--driver", f"{host}:{port}", "--rank", str(r)]
+            if _start_method() == "forkserver":
+                os.close(fd)
+                self._procs.append(_ForkedRank(argv, env, log))
+                continue
             with os.fdopen(fd, "w") as out:
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "rlconform.reference_impl.ranks", "--driver",
-                     f"{host}:{port}", "--rank", str(r)],
+                    [sys.executable, "-m", "rlconform.reference_impl.ranks", *argv],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     preexec_fn=_die_with_parent))
         accepted: list = []

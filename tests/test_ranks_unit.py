@@ -26,10 +26,23 @@ import torch
 from _exact import nt, same
 
 from rlconform.conformance.backends import _procs
-from rlconform.reference_impl.ranks import RankFailed, RankLaunch, dataplane_step_ranks
+from rlconform.reference_impl.ranks import (
+    START_ENV,
+    RankFailed,
+    RankLaunch,
+    dataplane_step_ranks,
+    start_launcher,
+)
 from rlconform.reference_impl.served import ServedDataPlane, StoreClient, StoreUnavailable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launcher():
+    """The fork server that ranks start from lives as long as this process: start it before
+    the tests count their child processes, so that only ranks are counted."""
+    start_launcher()
 
 
 @pytest.fixture
@@ -198,9 +211,12 @@ def test_failed_start_names_the_rank_and_leaves_no_process():
     assert not _procs.wait_gone(_procs.descendants() - before, 5.0)
 
 
-def test_step_with_an_empty_shard_then_a_dead_rank(small_batch):
+@pytest.mark.parametrize("start", ["forkserver", "exec"])
+def test_step_with_an_empty_shard_then_a_dead_rank(small_batch, start, monkeypatch):
     """World 2 with one sample (rank 1 holds nothing and still joins the all-reduce), then a
-    rank killed mid-step: RankFailed, every PID gone, the group refuses further steps."""
+    rank killed mid-step: RankFailed, every PID gone, the group refuses further steps; the
+    same for ranks forked from the launcher and ranks started as fresh interpreters."""
+    monkeypatch.setenv(START_ENV, start)
     from rlconform.conformance.backends.reference import backend
     from rlconform.reference_impl.codec import ReferenceCodec
     from rlconform.reference_impl.grpo import dataplane_step
@@ -299,7 +315,9 @@ def _run(tmp_path: Path, backend: str, *extra: str, env: dict | None = None):
     name, value = tag.split("=", 1)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
                           env={**os.environ, **(env or {}), name: value})
-    left = [p for p in _tagged(tag) if _procs.alive(p)]
+    # the rank launcher (fork server, resource tracker) ends on its own once the run's
+    # process is gone: a moment, not never
+    left = sorted(_procs.wait_gone(set(_tagged(tag)), 5.0))
     _procs.kill_pids(set(left))
     found = sorted(out_dir.glob("*/report.json"))
     report = json.loads(found[0].read_text()) if found else None

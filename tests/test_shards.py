@@ -83,6 +83,37 @@ def test_the_record_folds_in_a_reports_durations_under_its_regime(tmp_path):
         shards.durations_from({"clauses": [], "provenance": {"merged_shards": {}}})
 
 
+def test_the_record_keeps_the_tests_that_killed_each_mutant():
+    matrix = {"regime": {"device": "cpu", "model_size": "tiny", "profile": "ci"},
+              "mutants": [
+                  {"name": "m1", "killed": True, "duration_s": 2.0, "failed_tests": {
+                      "test_a.py::t[b]": {"kind": "assertion"},
+                      "test_a.py::t[c]": {"kind": "exception"}}},
+                  {"name": "m2", "killed": False, "duration_s": 1.0, "failed_tests": {}},
+                  {"name": "m3", "killed": True, "error": "no report", "failed_tests": {}}]}
+    assert shards.killers_from(matrix) == {"m1": ["test_a.py::t[b]"]}  # by assertion only
+    folded = shards.fold({"regimes": {}}, "cpu/tiny/ci", killed_by=shards.killers_from(matrix))
+    assert shards.killers("cpu/tiny/ci", folded) == {"m1": ["test_a.py::t[b]"]}
+    assert shards.killers("cuda/production/ci", folded) == {}
+    # the committed record holds the main job's: every mutant killed there has its tests
+    rec = shards.killers("cpu/tiny/ci")
+    assert len(rec) > 150 and all(rec.values())
+
+
+def test_a_mutant_run_puts_its_recorded_killers_first():
+    from types import SimpleNamespace
+
+    from rlconform.conformance.engine.mutant_worker import _KillersFirst
+
+    root = "/x/rlconform/conformance/clauses/"
+    items = [SimpleNamespace(nodeid=f"{root}test_a.py::t[{c}]") for c in "abcde"]
+    _KillersFirst(["test_a.py::t[d]", "test_a.py::t[b]"]).pytest_collection_modifyitems(
+        None, None, items)
+    assert [i.nodeid[-2] for i in items] == ["b", "d", "a", "c", "e"]  # stable otherwise
+    _KillersFirst([]).pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid[-2] for i in items] == ["b", "d", "a", "c", "e"]
+
+
 def _collect(tmp_path: Path, *extra: str) -> tuple[list[str], dict]:
     """(ids a --collect-only run selects, its report's provenance.shard)."""
     out = tmp_path / f"c{len(list(tmp_path.glob('c*')))}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlconform.conformance.engine import gpu_memory
+from rlconform.conformance.engine import gpu_memory, shards
 
 SURFACE_COST = {"trainer": 10, "rollout": 10}  # relative cost of a clause run, by surface
 # ... and by capability: a `multiprocess` clause starts rank processes (each imports torch and
@@ -106,11 +106,13 @@ class _Worker:
         self.results = os.fdopen(r, "r")
         self.job: str | None = None
 
-    def send(self, name: str, clause_ids: list[str] | None, every_test: bool = False) -> None:
+    def send(self, name: str, clause_ids: list[str] | None, every_test: bool = False,
+             first: list[str] = ()) -> None:
         self.job = name
         try:
             self.proc.stdin.write(json.dumps({"name": name, "clauses": clause_ids,
-                                              "every_test": every_test}) + "\n")
+                                              "every_test": every_test,
+                                              "first": list(first)}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the worker died: its results pipe reports EOF, and the mutant is recorded
@@ -276,7 +278,6 @@ def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict
     """Every selected mutant -> its shard (1..n), balanced by the durations recorded for the
     matrix's regime (shards.py), else by the cost of its claimed clauses; the same on every
     machine of one commit (the report dir's last matrix, which orders the queue, is not used)."""
-    from rlconform.conformance.engine import shards
     from rlconform.conformance.mutants import load_all
 
     names = sorted(only or load_all())
@@ -305,6 +306,9 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     expected = claims(list(only or mutants))
     names = list(expected)
     previous = _previous_durations(report_dir)
+    regime = _regime(extra)
+    first = shards.killers(shards.regime_key(regime["device"], regime["model_size"],
+                                             regime["profile"]))
     queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
     rows: dict[str, dict] = {}
 
@@ -336,7 +340,8 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     def feed(w: _Worker) -> None:
         if queue:
             n = queue.pop(0)
-            w.send(n, None if full else expected[n], every_test=every_test)
+            w.send(n, None if full else expected[n], every_test=every_test,
+                   first=first.get(n, ()))
         else:
             w.job = None
             sel.unregister(w.results)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlconform.conformance.engine.items import plain_nodeid
 from rlconform.conformance.engine.runner import pytest_args
 
 
@@ -101,13 +102,30 @@ def clause_modules(clause_ids: list[str] | None) -> set[str] | None:
     return files or None
 
 
+class _KillersFirst:
+    """Runs first the tests that killed the mutant when its regime was last recorded
+    (shards.killers), the rest in their order. The verdict does not change: a clause is killed
+    when any of its tests fails by assertion, whichever runs first; a recorded test that no
+    longer kills only costs its own time. It saves the tests before it: a store mutant caught
+    only by the `[separator]` names ran ten other name classes' state machines first."""
+
+    def __init__(self, first: list[str]):
+        self.first = set(first)
+
+    @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture scope
+    def pytest_collection_modifyitems(self, session, config, items) -> None:
+        if self.first:
+            items.sort(key=lambda i: plain_nodeid(i.nodeid) not in self.first)
+
+
 def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
-                    extra: list[str], every_test: bool = False) -> int | str:
+                    extra: list[str], every_test: bool = False,
+                    first: list[str] = ()) -> int | str:
     try:
         return int(pytest.main(pytest_args(f"mutant:{name}", [], None) + [
             "--report-dir", str(report_dir / "mutants"), "-q", "--no-header",
             "-p", "no:terminalreporter", "-p", HYPOTHESIS_PLUGIN, *extra],
-            plugins=[_MutantRun(clause_ids, every_test)]))
+            plugins=[_MutantRun(clause_ids, every_test), _KillersFirst(list(first))]))
     except BaseException as exc:  # noqa: BLE001 - one broken mutant must not stop the rest
         return f"{type(exc).__name__}: {exc}"
 
@@ -185,7 +203,7 @@ def _mutant_worker(report_dir: Path, extra: list[str], results_fd: int) -> None:
             job = json.loads(line)
             t0 = time.time()
             code = _run_one_mutant(job["name"], job["clauses"], report_dir, extra,
-                                   job.get("every_test", False))
+                                   job.get("every_test", False), job.get("first", ()))
             with log.open("a") as f:
                 f.write(f"{job['name']}: {code}\n")
             results.write(json.dumps({"name": job["name"], "code": code,

@@ -122,9 +122,19 @@ def mutant_costs(names: list[str], regime: str, fallback, record: dict | None = 
     return {n: float(rec[n]) if n in rec else float(fallback(n)) for n in names}
 
 
+def killers(regime: str, record: dict | None = None) -> dict[str, list[str]]:
+    """Mutant -> the tests that killed it by assertion when its regime was last recorded: a
+    kill-matrix run puts them first (mutant_worker._KillersFirst), so that a clause whose
+    killing test is one of many reaches it before the others."""
+    rec = ((record or load_durations()).get("regimes") or {}).get(regime, {})
+    return {k: list(v) for k, v in (rec.get("killers") or {}).items()}
+
+
 def fold(record: dict, regime: str, tests: dict[str, float] | None = None,
-         mutants: dict[str, float] | None = None) -> dict:
-    """The record with measured durations of one regime put in (newer values replace older)."""
+         mutants: dict[str, float] | None = None,
+         killed_by: dict[str, list[str]] | None = None) -> dict:
+    """The record with measured durations (and the mutants' killing tests) of one regime put
+    in (newer values replace older)."""
     out = json.loads(json.dumps(record))
     reg = out.setdefault("regimes", {}).setdefault(regime, {})
     for key, new in (("tests", tests), ("mutants", mutants)):
@@ -132,7 +142,18 @@ def fold(record: dict, regime: str, tests: dict[str, float] | None = None,
             merged = dict(reg.get(key, {}))
             merged.update({k: round(float(v), 2) for k, v in new.items()})
             reg[key] = dict(sorted(merged.items()))
+    if killed_by:
+        merged = dict(reg.get("killers", {}))
+        merged.update({k: sorted(v) for k, v in killed_by.items()})
+        reg["killers"] = dict(sorted(merged.items()))
     return out
+
+
+def killers_from(doc: dict) -> dict[str, list[str]]:
+    """Mutant -> its tests that failed by assertion, from a kill matrix ({} for a run report)."""
+    return {m["name"]: sorted(t for t, v in (m.get("failed_tests") or {}).items()
+                              if v.get("kind") == "assertion")
+            for m in doc.get("mutants") or () if m.get("killed") and not m.get("error")}
 
 
 def durations_from(doc: dict) -> tuple[str, dict[str, float], dict[str, float]]:
