@@ -157,6 +157,10 @@ GRID_RATIOS = (2.0, 0.5, 1.25, 0.75, 1.1, 0.9)
 LATER_RATIOS = (2.0, 1.0, 0.5, 1.0, 3.0, 1.0)
 # logp - reference per completion token (k mod 6) at the KL points: both signs, none zero
 KL_OFFSETS = (0.5, -0.4, 0.2, -0.7, 1.0, -0.3)
+# the same on prompt tokens (j-th before the completion, j mod 4): a reference equal to the
+# policy there gives a KL taken over the prompt value and gradient 0 (k2, k3), so a term that
+# leaves the loss mask would go unseen
+KL_PROMPT_OFFSETS = (0.6, -0.5, 0.3, -0.8)
 # exp(prev - gen) per completion token (k mod 6) at the truncated-IS point: both sides of 2
 IS_WEIGHTS = (3.0, 0.5, 1.5, 4.0, 0.8, 2.5)
 # GSPO: the sequence ratio (geometric mean) each row gets, taken in turn by the rows of each
@@ -313,7 +317,7 @@ TRAINER_CLAUSES: list[Clause] = [
          "clip_bounds_swapped", "dual_clip_on_positive_advantages", "sequence_ratio_product",
          "kl_estimator_ignored", "kl_k3_reversed", "kl_ratio_weight_detached",
          "seq_mean_excludes_empty_rows", "constant_normalizer_from_padded_width",
-         "is_cap_on_policy_ratio", "entropy_unmasked"),
+         "is_cap_on_policy_ratio", "entropy_unmasked", "kl_unmasked"),
         regime="not bitwise: the ratio comes from a float32 prev (logp - ln r). Loss: "
         f"|diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (float32 rounding of prev at "
         "|logp| ~ 6 is ~4e-7 per token; measured <= 3.3e-8). probs_ratio: the chosen r within "
@@ -353,7 +357,7 @@ TRAINER_CLAUSES: list[Clause] = [
          "clip_bounds_swapped", "dual_clip_on_positive_advantages", "sequence_ratio_product",
          "kl_estimator_ignored", "kl_k3_reversed", "kl_ratio_weight_detached",
          "seq_mean_excludes_empty_rows", "constant_normalizer_from_padded_width",
-         "is_cap_on_policy_ratio", "entropy_unmasked", "grad_clip_not_applied",
+         "is_cap_on_policy_ratio", "entropy_unmasked", "kl_unmasked", "grad_clip_not_applied",
          "old_logprobs_refreshed_per_step", "mini_batch_normalized_by_whole_batch"),
         regime="not bitwise (per-row forwards vs the trainer's micro-batches, other reduction "
         f"orders). Loss: |diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (measured 2.0e-8); "

@@ -43,6 +43,7 @@ from rlconform.conformance.catalogue.trainer import (
     GSPO_ROW_RATIOS,
     IS_WEIGHTS,
     KL_OFFSETS,
+    KL_PROMPT_OFFSETS,
     LATER_RATIOS,
     LATER_STEP_LOG_RATIO_TOL,
     LATER_STEP_POINTS,
@@ -165,6 +166,8 @@ def design(cfg: LossConfig, batch, point: str) -> Design:
             ratios[i, k] = cycle[k % len(cycle)] if target is None else target * _wobble(k, n)
             kl[i, k] = KL_OFFSETS[k % len(KL_OFFSETS)]
             isw[i, k] = IS_WEIGHTS[k % len(IS_WEIGHTS)]
+        for j in range(1, plen[i] + 1):  # the prompt's tokens, k = -1, -2, ...
+            kl[i, -j] = KL_PROMPT_OFFSETS[(j - 1) % len(KL_PROMPT_OFFSETS)]
     return Design(ratios, kl if cfg.kl_coef else None, isw if cfg.is_cap is not None else None)
 
 

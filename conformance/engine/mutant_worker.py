@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from rlconform.conformance.engine.items import plain_nodeid
 from rlconform.conformance.engine.runner import pytest_args
 
 
@@ -115,6 +114,9 @@ class _KillersFirst:
     @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture scope
     def pytest_collection_modifyitems(self, session, config, items) -> None:
         if self.first:
+            # (imported here: items.py imports torch, which write_bytecode must import first)
+            from rlconform.conformance.engine.items import plain_nodeid
+
             items.sort(key=lambda i: plain_nodeid(i.nodeid) not in self.first)
 
 

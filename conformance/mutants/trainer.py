@@ -526,6 +526,26 @@ def entropy_unmasked():
     return _objective_backend(_EntropyEverywhere, lambda c: c.entropy_coef > 0)
 
 
+class _KLEverywhere(Objective):
+    def loss(self, logp, prev, advantages, mask, norm, cfg, ref=None, gen=None, entropy=None):
+        out = super().loss(logp, prev, advantages, mask, norm, cfg, ref, gen, entropy)
+        if ref is None or not cfg.kl_coef:
+            return out
+        mask_f = mask.to(logp.dtype)
+        # the defect: the KL penalty taken under the attention (every position up to the last
+        # loss token, the prompt's too) rather than the loss mask
+        attended = mask_f.flip(1).cummax(1).values.flip(1)
+        extra = cfg.kl_coef * self.kl(logp, ref, cfg) * (attended - mask_f)
+        return dataclasses.replace(
+            out, loss=out.loss + (extra * self.weights(mask_f, norm, cfg)).sum())
+
+
+@mutant("kl_unmasked", "the KL penalty taken over every attended position (prompt included) "
+        "instead of the loss tokens", "trainer")
+def kl_unmasked():
+    return _objective_backend(_KLEverywhere, lambda c: c.kl_coef > 0)
+
+
 class _NoClipCore(GRPOCore):
     def clip_gradients(self):
         params = [p for p in self.model.parameters() if p.grad is not None]
