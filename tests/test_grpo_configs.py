@@ -235,9 +235,14 @@ def test_gradient_clipping_scales_the_step(text_batch):
 def _axis_inputs():
     """A micro-batch in every regime at once: ratios beyond both bounds and in the
     asymmetric bands for both signs, a negative-advantage ratio above the dual clip, sequence
-    means away from 1, a reference off the policy both ways, weights on both sides of the cap,
+    means away from 1, a reference off the policy both ways (on the prompt too), weights on both sides of the cap,
     rows of 6, 0, 4, 1, 3 and 5 tokens."""
-    from rlconform.conformance.catalogue.trainer import GRID_RATIOS, IS_WEIGHTS, KL_OFFSETS
+    from rlconform.conformance.catalogue.trainer import (
+        GRID_RATIOS,
+        IS_WEIGHTS,
+        KL_OFFSETS,
+        KL_PROMPT_OFFSETS,
+    )
 
     lens = [6, 0, 4, 1, 3, 5]
     width = 1 + max(lens)
@@ -245,6 +250,7 @@ def _axis_inputs():
     prev = -torch.rand(len(lens), width, generator=g, dtype=torch.float64) * 3
     logp, ref, gen = prev.clone(), prev.clone(), prev.clone()
     mask = torch.zeros(len(lens), width)
+    ref[:, 0] -= KL_PROMPT_OFFSETS[0]  # position 0: the prompt, off the policy as in the clauses
     for i, n in enumerate(lens):
         for k in range(n):
             logp[i, 1 + k] += math.log(GRID_RATIOS[(k + i) % 6])
@@ -276,6 +282,7 @@ OBJECTIVE_MUTANTS = {
                                               "constant-normalizer"),
     "is_cap_on_policy_ratio": (lambda c: c.is_cap is not None, "truncated-is"),
     "entropy_unmasked": (lambda c: c.entropy_coef > 0, "entropy-bonus"),
+    "kl_unmasked": (lambda c: c.kl_coef > 0, "kl-k2"),
 }
 
 
@@ -316,6 +323,7 @@ CORE_MUTANTS = {
     "seq_mean_per_micro_batch": (lambda c: c.aggregation != "token-mean",
                                  "seq-mean-token-sum"),
     "grad_clip_not_applied": (lambda c: c.max_grad_norm is not None, "grad-clip"),
+    "grad_clip_per_micro_batch": (lambda c: c.max_grad_norm is not None, "grad-clip"),
     "old_logprobs_refreshed_per_step": (lambda c: c.optimizer_steps > 1, "epochs-2"),
     "mini_batch_normalized_by_whole_batch": (lambda c: c.mini_batches > 1, "mini-batches-2"),
 }

@@ -358,6 +358,7 @@ TRAINER_CLAUSES: list[Clause] = [
          "kl_estimator_ignored", "kl_k3_reversed", "kl_ratio_weight_detached",
          "seq_mean_excludes_empty_rows", "constant_normalizer_from_padded_width",
          "is_cap_on_policy_ratio", "entropy_unmasked", "kl_unmasked", "grad_clip_not_applied",
+         "grad_clip_per_micro_batch",
          "old_logprobs_refreshed_per_step", "mini_batch_normalized_by_whole_batch"),
         regime="not bitwise (per-row forwards vs the trainer's micro-batches, other reduction "
         f"orders). Loss: |diff| <= {CLOSED_FORM_LOSS_RTOL:g} sum|l_t| / N (measured 2.0e-8); "

@@ -559,6 +559,21 @@ def grad_clip_not_applied():
     return _shared_backend(_NoClipCore, lambda c: c.max_grad_norm is not None)
 
 
+class _ClipPerMicroBatchCore(GRPOCore):
+    def micro_batch_loss(self, *args, **kwargs):
+        # the defect: clipping inside the accumulation loop, the gradient gathered so far
+        # scaled before each micro-batch adds its own, instead of once per optimizer step
+        self.clip_gradients()
+        return super().micro_batch_loss(*args, **kwargs)
+
+
+@mutant("grad_clip_per_micro_batch", "gradient-norm clipping applied inside the accumulation "
+        "loop (to the gradient gathered so far, before each micro-batch) instead of once to the "
+        "optimizer step's whole gradient", "trainer")
+def grad_clip_per_micro_batch():
+    return _shared_backend(_ClipPerMicroBatchCore, lambda c: c.max_grad_norm is not None)
+
+
 class _RefreshedOldCore(GRPOCore):
     def old_logprobs(self, mb, logp):
         if self.batch_step == 0:
