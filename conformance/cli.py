@@ -176,9 +176,13 @@ def _cmd_merge(a, extra) -> int:
 
 
 def _cmd_shard_durations(a, extra) -> int:
+    from pathlib import Path
+
     from rlconform.conformance.engine import shards
 
-    record = shards.load_durations()
+    # fold into the file being written (a checkout's copy may differ from the installed one)
+    record = shards.load_durations(Path(a.out)) if a.out and Path(a.out).is_file() \
+        else shards.load_durations()
     for path in a.reports:
         doc = json.loads(open(path).read())
         if "clauses" in doc:
@@ -186,9 +190,10 @@ def _cmd_shard_durations(a, extra) -> int:
         regime, tests, mutants = shards.durations_from(doc)
         record = shards.fold(record, regime, tests, mutants, shards.killers_from(doc))
     text = json.dumps(record, indent=2) + "\n"
-    if a.write:
-        shards.DURATIONS_PATH.write_text(text)
-        print(f"wrote {shards.DURATIONS_PATH}")
+    if a.write or a.out:
+        path = Path(a.out) if a.out else shards.DURATIONS_PATH
+        path.write_text(text)
+        print(f"wrote {path}")
     else:
         print(text, end="")
     return 0
@@ -255,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(print, or --write it)")
     sd.add_argument("reports", nargs="+")
     sd.add_argument("--write", action="store_true",
-                    help="write conformance/engine/shard_durations.json (in a source checkout)")
+                    help="write the record rlconform reads (the installed package's "
+                         "shard_durations.json; an editable install's is the checkout's)")
+    sd.add_argument("--out", default=None, metavar="FILE",
+                    help="write the record to FILE instead, e.g. "
+                         "conformance/engine/shard_durations.json of a checkout to commit")
     d = sub.add_parser("diff", help="compare two report.json files")
     d.add_argument("old")
     d.add_argument("new")
