@@ -326,6 +326,19 @@ def start_launcher() -> None:
         forkserver.ensure_running()
 
 
+def launcher_pids() -> set[int]:
+    """This process's rank launcher (fork server, multiprocessing's resource tracker) once
+    started: helpers that live as long as this process, not something a session started, so
+    a session that counts its child processes leaves them out."""
+    if _FORKSERVER is None:
+        return set()
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in pids if p}
+
+
 def _forked_rank_main(argv: list[str], env: dict[str, str], log: str) -> None:  # pragma: no cover
     """A rank forked from the server: the driver's environment of this group, output to the
     rank's log, SIGKILL with its parent (the server, which ends with the driver), then

@@ -45,6 +45,16 @@ def _launcher():
     start_launcher()
 
 
+def test_the_launcher_is_not_counted_as_a_sessions_process():
+    """The fork server and resource tracker outlive every session of this process: a Ray
+    session's cleanup leaves them out (it waited its whole grace for them, then killed them)."""
+    from rlconform.reference_impl.ranks import launcher_pids
+
+    pids = launcher_pids()
+    assert pids and pids <= _procs.descendants(), (pids, _procs.descendants())
+    assert _procs._rank_launcher() == pids
+
+
 @pytest.fixture
 def store():
     owner = ServedDataPlane()

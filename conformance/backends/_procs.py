@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +149,11 @@ class Cleanup:
 LAST_RAY_CLEANUP = Cleanup()
 
 
+def _rank_launcher() -> set[int]:
+    ranks = sys.modules.get("rlconform.reference_impl.ranks")  # never imported from here
+    return ranks.launcher_pids() if ranks is not None else set()
+
+
 @contextlib.contextmanager
 def ray_cluster(num_cpus: int = 2, object_store_mb: int = 256,
                 grace: float = 10.0) -> Iterator[bool]:
@@ -173,7 +179,9 @@ def ray_cluster(num_cpus: int = 2, object_store_mb: int = 256,
     try:
         yield True
     finally:
-        record.started = descendants() - before  # workers spawned since init are included
+        # workers spawned since init are included; the rank launcher, which outlives every
+        # session of this process, is not (waiting for it cost each session its grace)
+        record.started = descendants() - before - _rank_launcher()
         ray.shutdown()
         record.force_killed = wait_gone(record.started, grace)
         if record.force_killed:
