@@ -180,9 +180,9 @@ def _cmd_shard_durations(a, extra) -> int:
 
     from rlconform.conformance.engine import shards
 
+    out = Path(a.out) if a.out else None
     # fold into the file being written (a checkout's copy may differ from the installed one)
-    record = shards.load_durations(Path(a.out)) if a.out and Path(a.out).is_file() \
-        else shards.load_durations()
+    record = shards.load_durations(out) if out and out.is_file() else shards.load_durations()
     for path in a.reports:
         doc = json.loads(open(path).read())
         if "clauses" in doc:
@@ -190,8 +190,8 @@ def _cmd_shard_durations(a, extra) -> int:
         regime, tests, mutants = shards.durations_from(doc)
         record = shards.fold(record, regime, tests, mutants, shards.killers_from(doc))
     text = json.dumps(record, indent=2) + "\n"
-    if a.write or a.out:
-        path = Path(a.out) if a.out else shards.DURATIONS_PATH
+    if a.write or out:
+        path = out or shards.DURATIONS_PATH
         path.write_text(text)
         print(f"wrote {path}")
     else:

@@ -441,11 +441,12 @@ class RankGroup:
         env[AUTHKEY_ENV] = key.hex()
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("OMP_NUM_THREADS", str(self.launch.threads))
+        forked = _start_method() == "forkserver"
         for r in range(self.world):
             fd, log = tempfile.mkstemp(prefix=f"rlconform-rank{r}-", suffix=".log")
             self._logs.append(log)
             argv = ["--driver", f"{host}:{port}", "--rank", str(r)]
-            if _start_method() == "forkserver":
+            if forked:
                 os.close(fd)
                 self._procs.append(_ForkedRank(argv, env, log))
                 continue

@@ -235,8 +235,8 @@ def test_gradient_clipping_scales_the_step(text_batch):
 def _axis_inputs():
     """A micro-batch in every regime at once: ratios beyond both bounds and in the
     asymmetric bands for both signs, a negative-advantage ratio above the dual clip, sequence
-    means away from 1, a reference off the policy both ways (on the prompt too), weights on both sides of the cap,
-    rows of 6, 0, 4, 1, 3 and 5 tokens."""
+    means away from 1, a reference off the policy both ways (on the prompt too), weights on
+    both sides of the cap, rows of 6, 0, 4, 1, 3 and 5 tokens."""
     from rlconform.conformance.catalogue.trainer import (
         GRID_RATIOS,
         IS_WEIGHTS,

@@ -285,10 +285,7 @@ def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict
     if unknown:
         raise LookupError(f"unknown mutants {unknown}; known: {', '.join(sorted(load_all()))}")
     expected = claims(names)
-    r = _regime(extra)
-    costs = shards.mutant_costs(names, shards.regime_key(r["device"], r["model_size"],
-                                                         r["profile"]),
-                                lambda m: _cost(expected[m], {}, m))
+    costs = shards.mutant_costs(names, _regime_key(extra), lambda m: _cost(expected[m], {}, m))
     return shards.assign(costs, n)
 
 
@@ -306,9 +303,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     expected = claims(list(only or mutants))
     names = list(expected)
     previous = _previous_durations(report_dir)
-    regime = _regime(extra)
-    first = shards.killers(shards.regime_key(regime["device"], regime["model_size"],
-                                             regime["profile"]))
+    first = shards.killers(_regime_key(extra))
     queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
     rows: dict[str, dict] = {}
 
@@ -450,3 +445,9 @@ def _regime(extra: list[str]) -> dict:
 
     return {"device": opt("--device", "cpu"), "dtype": opt("--dtype", "float32"),
             "model_size": opt("--model-size", model_size()), "profile": opt("--profile", "ci")}
+
+
+def _regime_key(extra: list[str]) -> str:
+    """The key of the matrix's regime in the shards' record (durations, killing tests)."""
+    r = _regime(extra)
+    return shards.regime_key(r["device"], r["model_size"], r["profile"])
