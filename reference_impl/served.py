@@ -134,21 +134,21 @@ class ServedDataPlane(InMemoryDataPlane):
         self._stopping = False
 
     # every call of the surface holds the lock: the serving threads call the same methods
-    def put(self, *args, **kwargs):
+    def put(self, partition, keys, columns, tags=None):
         with self._lock:
-            return super().put(*args, **kwargs)
+            return super().put(partition, keys, columns, tags)
 
-    def get(self, *args, **kwargs):
+    def get(self, partition, keys, select_fields=None):
         with self._lock:
-            return super().get(*args, **kwargs)
+            return super().get(partition, keys, select_fields)
 
-    def list(self, *args, **kwargs):
+    def list(self, partition):
         with self._lock:
-            return super().list(*args, **kwargs)
+            return super().list(partition)
 
-    def clear(self, *args, **kwargs):
+    def clear(self, partition, keys=None):
         with self._lock:
-            return super().clear(*args, **kwargs)
+            return super().clear(partition, keys)
 
     def address(self) -> StoreAddress:
         """Serve this store on a loopback port (from now until close) and say where."""

@@ -68,12 +68,15 @@ DATA_PLANE_CLAUSES: list[Clause] = [
     Clause(
         "DP-NO-ALIAS",
         "stored data MUST NOT alias caller tensors or tags: mutating a tensor or a tag (at any "
-        "depth) after put, or one returned by get, MUST NOT change what a later get returns.",
+        "depth) after put, or one returned by get, MUST NOT change what a later get returns, "
+        "and one get MUST NOT hand out one container twice (a key named twice gets its own "
+        "tag dict and object row each time).",
         "transport",
         "an in-place op on a fetched batch (e.g. a dtype cast or mask fill) corrupts the "
         "next rank's fetch; a driver that stamps a fetched tag's shape list changes every "
         "later fetch of that row",
-        ("aliasing_put", "aliasing_get", "tags_shallow_copied_on_put", "tags_shared_on_get"),
+        ("aliasing_put", "aliasing_get", "tags_shallow_copied_on_put", "tags_shared_on_get",
+         "repeated_key_rows_share_tags"),
     ),
     Clause(
         "DP-CONCURRENT",
@@ -184,13 +187,15 @@ DATA_PLANE_CLAUSES: list[Clause] = [
     ),
     Clause(
         "DP-ARGS-INTACT",
-        "put and get MUST leave their arguments as they were: the keys list, the columns dict "
-        "and every tensor's bits, the tags at every depth, and select_fields.",
+        "put, get, list and clear MUST leave every argument as it was: the keys list, the "
+        "columns dict with every tensor's bits and every object column's rows, the tags at "
+        "every depth, and select_fields.",
         "transport",
         "a caller reuses its key list, columns and tags after a put (the driver keeps the meta, "
         "the rollout its batch); a store that sorts them in place or stamps its records into "
         "the caller's tags changes the caller's batch",
-        ("put_sorts_caller_keys", "get_sorts_select_fields", "put_stamps_caller_tags"),
+        ("put_sorts_caller_keys", "get_sorts_select_fields", "put_stamps_caller_tags",
+         "put_freezes_caller_object_lists"),
     ),
     Clause(
         "DP-MULTIPROCESS",
@@ -552,13 +557,14 @@ REGIME_CLAUSES: list[Clause] = [
         "BATCH-INPUT-INTACT",
         "truncate, pad_to, validate, multimodal_inputs (every stage, with and without a dtype), "
         "select, split, concat and micro_batches (batch sizes that the micro-batch count does "
-        "not divide, with and without a shuffle seed) MUST leave every batch and index list "
-        "they are given bit for bit as it was.",
+        "not divide, with and without a shuffle seed) MUST leave every argument they are given "
+        "(each batch, index or size list, list of batches) bit for bit as it was.",
         "batch_ops",
         INTACT + "; a cast, a shuffle or a note written into the caller's batch (frameworks' "
         "in-place DataProto, meta_info and tensor-dict updates) changes it for every later "
         "stage and misaligns it with everything computed before",
-        ("stage_inputs_cast_caller_media", "micro_batches_annotate_caller"),
+        ("stage_inputs_cast_caller_media", "micro_batches_annotate_caller",
+         "concat_consumes_caller_list"),
     ),
     Clause(
         "DP-NO-GLOBAL-EFFECTS",
@@ -671,25 +677,28 @@ REGIME_CLAUSES: list[Clause] = [
     Clause(
         "META-NO-ALIAS",
         "no result of subset, slice, concat, drop, with_fields, stamp_tags or shard_for_dp MAY "
-        "share a container with a meta it came from: mutating any tag dict (at any depth), key "
-        "or length list or extra of a result leaves every source meta as it was.",
+        "share a container with a meta it came from, nor hold one container in two places "
+        "(two rows' tags, two shards' lists): mutating any tag dict (at any depth), key or "
+        "length list or extra of a result leaves every source meta as it was.",
         "meta",
         B3 + "metadata sharding for data parallelism dropped per-row tags; a rank that stamps "
         "or rewrites its shard's tags through shared dicts rewrites the driver's meta and the "
         "other ranks' shards",
-        ("meta_concat_shares_tags", "dp_shard_copies_tags_shallowly"),
+        ("meta_concat_shares_tags", "dp_shard_copies_tags_shallowly", "dp_shards_share_fields"),
     ),
     Clause(
         "BATCH-NO-ALIAS",
         "no result of select, split, concat or micro_batches MAY share a container with a batch "
-        "it came from, also where the result holds every row in order: mutating a result's "
-        "field dict, packed row and segment lists, dict rows or their per-image lists leaves "
-        "every source batch as it was (tensors may be shared).",
+        "it came from, also where the result holds every row in order, nor hold one container in "
+        "two places (two chunks' extras, a dict row handed out twice for a repeated index): "
+        "mutating a result's field dict, packed row and segment lists, dict rows or their "
+        "per-image lists leaves every source batch as it was (tensors may be shared).",
         "batch_ops",
         "verl pops keys from a micro-batch's multi_modal_inputs rows and frameworks append to "
         "per-image lists; through a shallow row copy or a select that returns its input when "
         "nothing moves, that reaches the source batch and every other chunk of it",
-        ("select_shares_list_values", "select_of_every_row_returns_source"),
+        ("select_shares_list_values", "select_of_every_row_returns_source",
+         "split_chunks_share_extra"),
         capabilities=("batch_algebra",),
     ),
     Clause(

@@ -424,13 +424,14 @@ PASS_CLAUSES: list[Clause] = [
     ),
     Clause(
         "TRAIN-INPUT-INTACT",
-        "Every meta handed to a logprob, reference-logprob or train pass (DP shards of uneven "
-        "size included) MUST be unchanged afterwards: keys, fields, seq_lens, tags and extra.",
+        "Every argument of a logprob, reference-logprob or train pass (each meta, DP shards "
+        "of uneven size included, and the list of metas) MUST be unchanged afterwards: keys, "
+        "fields, seq_lens, tags and extra.",
         "trainer",
         "the driver keeps the shard metas it dispatched (to collect, to retry, to clear the "
         "step's keys); a pass that extends, trims or reorders them in place changes what the "
         "driver holds with no error",
-        ("trainer_train_consumes_caller_fields",),
+        ("trainer_train_consumes_caller_fields", "train_consumes_meta_list"),
     ),
     Clause(
         "TRAIN-NO-GLOBAL-EFFECTS",

@@ -261,6 +261,86 @@ class Attempts:
         return out
 
 
+def call_arguments(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """Every argument of the call `fn(*args, **kwargs)`, named from fn's signature: the object a
+    method is bound to first when it is data (a meta, a batch), then each parameter as bound
+    (`*args` as one tuple, `**kwargs` as one dict). Derived from the call itself, so a check
+    built on it cannot leave an argument out."""
+    import inspect
+
+    named: list[tuple[str, object]] = []
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and (isinstance(owner, Batch) or _is_meta(owner)):
+        named.append(("self", owner))
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or one the call does not fit: by position
+        return named + [(f"#{k}", a) for k, a in enumerate(args)] + list(kwargs.items())
+    params = inspect.signature(fn).parameters
+    for name, value in bound.arguments.items():
+        if params[name].kind is inspect.Parameter.VAR_POSITIONAL:  # (*args): one entry each
+            named += [(f"{name}[{k}]", v) for k, v in enumerate(value)]
+        else:
+            named.append((name, value))
+    return named
+
+
+class ArgumentsWatch:
+    """Every argument of one call (`call_arguments`), snapshotted when made; `assert_unchanged`
+    then names the first one the call changed."""
+
+    def __init__(self, fn, args: tuple, kwargs: dict):
+        self.taken = [(name, a, snapshot(a)) for name, a in call_arguments(fn, args, kwargs)]
+
+    def assert_unchanged(self, what: str) -> None:
+        for name, arg, before in self.taken:
+            why = snapshot_difference(name, before, snapshot(arg))
+            assert why is None, f"{what} changed its argument {name!r}: {why}"
+
+
+def call_intact(what: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, asserting afterwards that it left every argument as it was."""
+    watch = ArgumentsWatch(fn, args, kwargs)
+    out = fn(*args, **kwargs)
+    watch.assert_unchanged(what)
+    return out
+
+
+_CONTAINERS = (dict, list, set, bytearray)
+
+
+def shared_container(obj, path: str = "result") -> str | None:
+    """Where two places inside `obj` hold one and the same mutable container (a dict, list, set
+    or bytearray reached twice: two rows' tags, two chunks' extras, a dict row handed out twice),
+    or None. Mutating one place then changes the other. Reaches what `scribble` reaches;
+    tensors are not looked at (operations share them by design)."""
+    seen: dict[int, str] = {}
+
+    def go(x, where: str) -> str | None:
+        if isinstance(x, (Tensor, str, bytes, int, float, type(None))):
+            return None
+        if isinstance(x, _CONTAINERS):
+            if id(x) in seen:
+                return f"{where} is the same {type(x).__name__} object as {seen[id(x)]}"
+            seen[id(x)] = where
+        if isinstance(x, Batch):
+            return go(x.fields, f"{where}.fields") or go(x.extra, f"{where}.extra")
+        if isinstance(x, PackedTensor):
+            return go(x.rows, f"{where}.rows")
+        if isinstance(x, ObjectColumn):
+            return go(x.rows, where)
+        if isinstance(x, dict):
+            return next((why for k, v in x.items() if (why := go(v, _where(where, k)))), None)
+        if isinstance(x, (list, tuple)):
+            return next((why for i, v in enumerate(x) if (why := go(v, f"{where}[{i}]"))), None)
+        if _is_meta(x):
+            return next((why for a in _META_ATTRS if (why := go(getattr(x, a), f"{where}.{a}"))),
+                        None)
+        return None
+
+    return go(obj, path)
+
+
 def snapshot(obj):
     """A deep, bit-exact record of `obj` (see `assert_unchanged`)."""
     import math

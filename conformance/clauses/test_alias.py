@@ -2,10 +2,12 @@
 
 A stage that stamps its subset's tags, pops a key from its micro-batch's media dict or appends
 to a row's per-image list must not reach the batch or meta it came from, nor a sibling chunk.
-Each test takes every result of one operation, mutates every container reachable from it (tag
-dicts at every depth, key and length lists, extras, a batch's field dict, a packed field's row
-and segment lists, dict rows and their list values; tensors are left alone: operations share
-them by design) and checks that every source is still bit for bit what it was. Operations
+Each test takes every result of one operation, checks that no container is reached from two
+places of it (two rows' tags, two chunks' extras, a dict row handed out twice for a repeated
+index), mutates every container reachable from it (tag dicts at every depth, key and length
+lists, extras, a batch's field dict, a packed field's row and segment lists, dict rows and their
+list values; tensors are left alone: operations share them by design) and checks that every
+source is still bit for bit what it was. Operations
 whose result could be the source itself (every row, in order; one chunk; one micro-batch) are
 among the cases on purpose.
 """
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from rlconform.fixtures.strategies import hetero_cases
 from rlconform.fixtures.synthetic import MEDIA_FORMS, build_batch, regime_plan
 
-from ._check import assert_unchanged, sample_meta, scribble, snapshot
+from ._check import assert_unchanged, sample_meta, scribble, shared_container, snapshot
 
 
 class _Results:
@@ -37,6 +39,10 @@ class _Results:
         except Exception as exc:  # noqa: BLE001 - refusals are judged elsewhere
             self.raised.append(f"{what}: {type(exc).__name__}: {exc}")
             return
+        # two places of one result holding one container: a stage that stamps one row's tag or
+        # one chunk's extras changes its sibling too
+        why = shared_container(results, what)
+        assert why is None, f"{what}: its result shares a container between two places: {why}"
         # the sources as the operation left them: only what mutating its results does is judged
         # here (what the operation itself does to them is *-INPUT-INTACT's business)
         before = [snapshot(s) for s in sources]

@@ -25,19 +25,19 @@ from hypothesis import strategies as st
 from rlconform.fixtures.strategies import given_batches, hetero_cases
 from rlconform.reference_impl.registry import Stage
 
-from ._check import Attempts, assert_unchanged, sample_meta, snapshot
+from ._check import ArgumentsWatch, Attempts, sample_meta
 
 
 class _Ops(Attempts):
-    """Runs operations on arguments, checking after each that the arguments are unchanged."""
+    """Runs operations, checking after each that every argument it was given is unchanged."""
 
-    def check(self, what: str, fn, *args):
-        """`fn()` with every one of `args` (objects it receives) snapshotted before, compared
-        after; returns fn's result, or None when it raised."""
-        before = [snapshot(a) for a in args]
-        out = self.attempt(what, fn)
-        for k, (snap, arg) in enumerate(zip(before, args)):
-            assert_unchanged(snap, arg, f"argument {k} of {what}")
+    def call(self, what: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` with every argument (named from fn's signature, the meta or
+        batch a method is bound to included) snapshotted before and compared after; returns
+        fn's result, or None when it raised."""
+        watch = ArgumentsWatch(fn, args, kwargs)
+        out = self.attempt(what, lambda: fn(*args, **kwargs))
+        watch.assert_unchanged(what)
         return out
 
     def assert_something_ran(self) -> None:
@@ -60,9 +60,9 @@ def _codecs(backend, codec_factory):
 def _check_codec(backend, codec_factory, batch) -> _Ops:
     ops = _Ops()
     for what, codec in _codecs(backend, codec_factory):
-        wire = ops.check(what, lambda c=codec: c.encode(batch), batch)
+        wire = ops.call(what, codec.encode, batch)
         if wire is not None:
-            ops.check(f"decode after {what}", lambda c=codec, w=wire: c.decode(w), wire)
+            ops.call(f"decode after {what}", codec.decode, wire)
     return ops
 
 
@@ -92,21 +92,21 @@ def test_meta_operations_leave_their_inputs_intact(backend, meta_cls, n, world, 
     idx = list(dict.fromkeys(i % n for i in raw))  # keys of a meta are unique
     cut %= n + 1
     ops = _Ops()
-    ops.check(f"subset({idx})", lambda: m.subset(idx), m, idx)
-    ops.check(f"slice(0, {cut})", lambda: m.slice(0, cut), m)
+    ops.call(f"subset({idx})", m.subset, idx)
+    ops.call(f"slice(0, {cut})", m.slice, 0, cut)
     # two ranks' metas as a DP collect joins them: disjoint rows, each with its own extras
     head = sample_meta(meta_cls, cut, extra={"step": 3, "dp_rank": 0, "ranks": [0]})
     tail = sample_meta(meta_cls, n - cut, extra={"step": 3, "dp_rank": 1, "ranks": [1]},
                        first=cut)
-    ops.check("concat of two ranks' metas", lambda: meta_cls.concat([head, tail]), head, tail)
-    ops.check("drop", lambda: m.drop("pixel_values"), m)
-    ops.check("with_fields", lambda: m.with_fields("advantages"), m)
+    ops.call("concat of two ranks' metas", meta_cls.concat, [head, tail])
+    ops.call("drop", m.drop, "pixel_values")
+    ops.call("with_fields", m.with_fields, "advantages")
     per_row = [{"adv": float(i), "shapes": [[i, 2]]} for i in range(n)]
-    ops.check("stamp_tags (one per row)", lambda: m.stamp_tags(per_row), m, per_row)
+    ops.call("stamp_tags (one per row)", m.stamp_tags, per_row)
     shared = {"adv": 0.5, "nested": {"k": [1, 2]}}
-    ops.check("stamp_tags (one for all)", lambda: m.stamp_tags(shared), m, shared)
+    ops.call("stamp_tags (one for all)", m.stamp_tags, shared)
     if "dp" in backend.capabilities:
-        ops.check(f"shard_for_dp({world}) of {n} rows", lambda: m.shard_for_dp(world), m)
+        ops.call(f"shard_for_dp({world}) of {n} rows", m.shard_for_dp, world)
     ops.assume_something_ran()
 
 
@@ -123,26 +123,24 @@ def test_batch_operations_leave_their_inputs_intact(backend, batch_ops, batch, k
     b, s = len(batch), batch.seq_len()
     ops = _Ops()
     cut = k % (s + 1)
-    ops.check(f"truncate({cut})", lambda: batch_ops.truncate(batch, cut), batch)
-    ops.check(f"pad_to({s + 1 + k % 5})", lambda: batch_ops.pad_to(batch, s + 1 + k % 5), batch)
-    ops.check("validate", lambda: batch_ops.validate(batch), batch)
+    ops.call(f"truncate({cut})", batch_ops.truncate, batch, cut)
+    ops.call(f"pad_to({s + 1 + k % 5})", batch_ops.pad_to, batch, s + 1 + k % 5)
+    ops.call("validate", batch_ops.validate, batch)
     for stage in Stage:
         for dtype in (None, torch.bfloat16):
-            ops.check(f"multimodal_inputs({stage.value}, {dtype})",
-                      lambda s=stage, d=dtype: batch_ops.multimodal_inputs(batch, s, d), batch)
+            ops.call(f"multimodal_inputs({stage.value}, {dtype})",
+                     batch_ops.multimodal_inputs, batch, stage, dtype)
     if "batch_algebra" in backend.capabilities:
         idx = [(k * (j + 3) + j) % b for j in range(1 + k % 5)]  # repeats, out of order
-        ops.check(f"select({idx})", lambda: batch_ops.select(batch, idx), batch, idx)
+        ops.call(f"select({idx})", batch_ops.select, batch, idx)
         first = 1 + k % b if b > 1 else b
         sizes = [first, b - first] if b > 1 else [b]
-        ops.check(f"split({sizes})", lambda: batch_ops.split(batch, sizes), batch, sizes)
+        ops.call(f"split({sizes})", batch_ops.split, batch, sizes)
         parts = batch.split(sizes)
-        ops.check("concat of the split parts and the batch",
-                  lambda: batch_ops.concat([*parts, batch]), batch, *parts)
+        ops.call("concat of the split parts and the batch", batch_ops.concat, [*parts, batch])
     if "micro_batching" in backend.capabilities:
         for n in sorted({1, _micro_batch_count(b, k)}):
             for seed in (None, k):
-                ops.check(f"micro_batches({n} of {b} rows, shuffle_seed={seed})",
-                          lambda m=n, s=seed: batch_ops.micro_batches(batch, m, shuffle_seed=s),
-                          batch)
+                ops.call(f"micro_batches({n} of {b} rows, shuffle_seed={seed})",
+                         batch_ops.micro_batches, batch, n, shuffle_seed=seed)
     ops.assume_something_ran()

@@ -27,10 +27,9 @@ from rlconform.reference_impl.trainer import OUTPUT_FIELD
 
 from ._check import (
     assert_bit_equal,
-    assert_unchanged,
+    call_intact,
     expect_accepted,
     expect_stored,
-    snapshot,
 )
 
 FAMILIES = ("qwen2_vl", "smolvlm", "text")
@@ -155,8 +154,9 @@ def test_train_pass_gives_each_row_the_same_loss_in_any_order(
 @pytest.mark.parametrize("world", [1, 4])
 def test_passes_leave_the_metas_they_are_given_intact(backend, transport, codec, meta_cls,
                                                      rollouts, world):
-    """A step as the driver runs it, over DP shards (4 ranks for 6 rows: uneven): every meta
-    handed to a logprob, reference or train pass is unchanged afterwards."""
+    """A step as the driver runs it, over DP shards (4 ranks for 6 rows: uneven): every argument
+    of a logprob, reference or train pass (each meta, the list of metas) is unchanged
+    afterwards."""
     family = "qwen2_vl"
     batch, _, _ = rollouts.get(family, IMAGES)
     meta, keys = _write(batch, transport, codec, meta_cls)
@@ -168,15 +168,9 @@ def test_passes_leave_the_metas_they_are_given_intact(backend, transport, codec,
         ready = []
         for k, shard in enumerate(shards):
             for stage in (Stage.LOGPROB, Stage.REFERENCE_LOGPROB):
-                before = snapshot(shard)
-                out = trainer.compute_logprobs(shard, stage)
-                assert_unchanged(before, shard, f"shard {k}'s meta given to the {stage.value} "
-                                                "pass")
-                shard = out
+                shard = call_intact(f"the {stage.value} pass over shard {k}",
+                                    trainer.compute_logprobs, shard, stage)
             ready.append(shard)
-        before = [snapshot(m) for m in ready]
-        trainer.train(ready)
-        for k, (snap, m) in enumerate(zip(before, ready)):
-            assert_unchanged(snap, m, f"shard {k}'s meta given to the train pass")
+        call_intact(f"the train pass over {len(ready)} shards", trainer.train, ready)
     finally:
         transport.clear(meta.partition, keys)

@@ -19,6 +19,7 @@ from ._check import (
     column_difference,
     expect_stored,
     keys_for,
+    shared_container,
 )
 
 FAMILIES = media_families()
@@ -291,9 +292,13 @@ def test_no_aliasing(transport, mutate):
 
 
 @pytest.mark.clause("DP-NO-ALIAS")
-def test_tags_are_not_aliased(transport):
-    """Tags at every depth: the caller's after put, and the ones a get returned."""
+def test_tags_are_not_aliased(backend, transport):
+    """Tags at every depth: the caller's after put, the ones a get returned, and the rows of one
+    get that names a key more than once (no two places of its result, tags or an object
+    column's dict rows, may be one object: a stage that stamps one row changes its repeat)."""
     import copy
+
+    from rlconform.reference_impl.objects import ObjectColumn
 
     def tags_of(n):
         # JSON-safe on purpose: whether tuples stay tuples is DP-TAG-VALUES' question
@@ -316,6 +321,16 @@ def test_tags_are_not_aliased(transport):
     got[0]["fetched"] = 1
     _, again = transport.get(part, keys, select_fields=["rewards"])
     assert again == want, f"mutating the tags a get returned changed the store: {again}"
+    cols = {"rewards": _block(3)}
+    if "object_columns" in backend.capabilities:
+        cols["multi_modal_inputs"] = ObjectColumn(
+            [{"pixel_values": [torch.ones(1, 2), torch.zeros(2, 2)]}, None, {}])
+    again_part = _partition()
+    transport.put(again_part, keys, cols, want)
+    asked = [keys[0], keys[1], keys[0], keys[2], keys[0]]
+    got = transport.get(again_part, asked, select_fields=list(cols))
+    why = shared_container(got, f"get{asked}")
+    assert why is None, f"one get handed out a container twice: {why}"
 
 
 @pytest.mark.clause("DP-ROUNDTRIP", "WIRE-TRANSPORT-ROUNDTRIP")

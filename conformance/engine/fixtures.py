@@ -6,6 +6,7 @@ what a test wrote, and the run sweeps the store once more at its end."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import pytest
@@ -73,6 +74,7 @@ def track_writes(t) -> set[str]:
     written: set[str] = set()
     put = t.put
 
+    @functools.wraps(put)  # keeps put's signature: clauses name its arguments from it
     def put_and_track(*args, **kwargs):
         partition = args[0] if args else kwargs.get("partition")
         if isinstance(partition, str):

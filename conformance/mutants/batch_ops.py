@@ -508,6 +508,33 @@ def _identity_select():
     return _with(Ops)()
 
 
+@mutant("split_chunks_share_extra", "split gave every chunk one extra dict: a stage that notes "
+        "something on one micro-batch (its step, its rank) notes it on every sibling", "batch_ops")
+def _chunks_share_extra():
+    class Ops(BatchOps):
+        def split(self, batch, sizes):
+            parts = batch.split(sizes)
+            for p in parts[1:]:
+                p.extra = parts[0].extra
+            return parts
+
+    return _with(Ops)()
+
+
+@mutant("concat_consumes_caller_list", "concat popped its parts off the caller's list as it "
+        "merged them (to free each part early): the caller's list came back empty",
+        "batch_ops")
+def _concat_consumes():
+    class Ops(BatchOps):
+        def concat(self, batches):
+            parts = []
+            while isinstance(batches, list) and batches:
+                parts.append(batches.pop(0))
+            return Batch.concat(parts or batches)
+
+    return _with(Ops)()
+
+
 # -- merges by value (BATCH-MERGE-BY-VALUE, BATCH-UNION) -----------------------------------------
 @mutant("concat_checks_family_by_identity", "concat checked that the batches are of one family "
         "with `is`: a chunk whose family name came back from another process is refused",

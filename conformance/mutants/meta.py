@@ -185,3 +185,16 @@ def _concat_identity():
             return BatchMeta.concat(metas)
 
     return _with(M)()
+
+
+@mutant("dp_shards_share_fields", "shard_for_dp gave every rank's meta one fields list: a rank "
+        "that records a field it added in place records it for every rank", "meta")
+def _shards_share_fields():
+    class M(BatchMeta):
+        def shard_for_dp(self, world):
+            shards, inverse = super().shard_for_dp(world)
+            for s in shards[1:]:
+                s.fields = shards[0].fields
+            return shards, inverse
+
+    return _with(M)()

@@ -47,6 +47,21 @@ def _consumes_fields():
     return _backend(T)
 
 
+@mutant("train_consumes_meta_list", "the train pass took the shard metas off the list it was "
+        "given as it went (a work queue): the driver's list came back empty", "trainer")
+def _consumes_list():
+    class T(DataPlaneTrainer):
+        def train(self, meta):
+            if not isinstance(meta, list):
+                return super().train(meta)
+            queue = []
+            while meta:
+                queue.append(meta.pop(0))
+            return super().train(queue)
+
+    return _backend(T)
+
+
 @mutant("advantages_fetched_in_put_order", "the train pass fetched the advantages column on its "
         "own, in the store's key order, and paired it with the meta's rows by position: a meta "
         "in another order trains each row on another row's advantage", "trainer")

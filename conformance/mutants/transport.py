@@ -912,3 +912,23 @@ def _path_clear():
             return super().clear(partition, keys)
 
     return _with(T)()
+
+
+# -- every argument (DP-ARGS-INTACT) -------------------------------------------------------------
+@mutant("put_freezes_caller_object_lists", "put stored a copy of each object row, then froze the "
+        "caller's per-image lists into tuples in place (hashable for its dedup cache): the "
+        "rollout's rows changed type under it", "transport")
+def _freeze_object_lists():
+    from rlconform.reference_impl.objects import ObjectColumn
+
+    class T(InMemoryDataPlane):
+        def put(self, partition, keys, columns, tags=None):
+            super().put(partition, keys, columns, tags)
+            for col in columns.values():
+                if isinstance(col, ObjectColumn):
+                    for row in col.rows:
+                        for k, v in (row or {}).items():
+                            if isinstance(v, list):
+                                row[k] = tuple(v)
+
+    return _with(T)()
