@@ -661,7 +661,8 @@ REGIME_CLAUSES: list[Clause] = [
     Clause(
         "BATCH-MODEL-INPUTS",
         "for rows whose batch a family's real processor built (unequal image counts, a "
-        "text-only row; one row holding every image), the model inputs multimodal_inputs gives "
+        "text-only row; one row holding every image; every row two images of unequal sizes; "
+        "every pair of family, media form and pattern), the model inputs multimodal_inputs gives "
         "for each stage, also after "
         "truncate, pad_to, select, split and micro_batches (with and without a shuffle), MUST "
         "equal what the processor produces for exactly those rows (names, dtype, shape, bits; "
@@ -672,7 +673,8 @@ REGIME_CLAUSES: list[Clause] = [
         "before against after truncation): a stage that normalises pixels twice or hands a "
         "row's images over in another order passes them all, and the model trains on other "
         "pixels than the rollout saw",
-        ("stage_inputs_normalised_twice", "stage_inputs_images_reversed_in_row"),
+        ("stage_inputs_normalised_twice", "stage_inputs_images_reversed_in_row",
+         "stage_inputs_image_major_on_equal_counts"),
     ),
     Clause(
         "META-NO-ALIAS",

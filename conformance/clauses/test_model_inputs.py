@@ -17,15 +17,17 @@ import functools
 import pytest
 import torch
 
+from rlconform.fixtures.pairwise import covering_cases
 from rlconform.fixtures.synthetic import MEDIA_FORMS
 from rlconform.reference_impl.objects import value_difference
 from rlconform.reference_impl.registry import FAMILIES, FIELDS, DtypePolicy, Kind, Stage
 
 from ._check import offered
 
-# images per row: unequal counts, a text-only row, more images than rows in one sample; and one
-# row holding every image among text rows (pack-dim-1 media must keep it in its row)
-PATTERNS = {"mixed": (2, 0, 1, 3, 1), "one_row": (0, 0, 3, 0)}
+# images per row: unequal counts, a text-only row, more images than rows in one sample; one row
+# holding every image among text rows (pack-dim-1 media must keep it in its row); every row the
+# same number of images, of unequal sizes (a per-row split by count alone looks right)
+PATTERNS = {"mixed": (2, 0, 1, 3, 1), "one_row": (0, 0, 3, 0), "equal": (2, 2, 2, 2)}
 # the families with a real processor (fixtures/families.py), named here: importing the
 # fixtures at collection would load transformers for every run of the suite
 PROCESSOR_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm", "idefics3",
@@ -116,8 +118,8 @@ def _assert_inputs(name: str, pattern: str, got: dict, rows: list[int], what: st
     return names
 
 
-CASES = [(f, form, "mixed") for f in PROCESSOR_FAMILIES for form in MEDIA_FORMS] + \
-    [(f, "packed", "one_row") for f in PROCESSOR_FAMILIES]
+CASES = [(c["family"], c["form"], c["pattern"]) for c in covering_cases(
+    {"family": PROCESSOR_FAMILIES, "form": MEDIA_FORMS, "pattern": tuple(PATTERNS)})]
 
 
 @pytest.mark.clause("BATCH-MODEL-INPUTS")
@@ -127,8 +129,13 @@ def test_stage_inputs_are_what_the_processor_gives_those_rows(backend, batch_ops
     batch = _batch(family, form, pattern)
     counts = PATTERNS[pattern]
     b = len(batch)
-    assert b == len(counts) and len(set(counts)) > 1 and 0 in counts, \
-        "fixture lost its unequal image counts"
+    assert b == len(counts), "fixture lost its rows"
+    if pattern == "equal":
+        sizes = [[im.size for im in row] for row in _rollout(family, pattern)[2]]
+        assert all(len(set(s)) == len(s) > 1 for s in sizes), \
+            f"fixture lost its unequal image sizes within a row: {sizes}"
+    else:
+        assert len(set(counts)) > 1 and 0 in counts, "fixture lost its unequal image counts"
     every = list(range(b))
     names: list = []  # name mismatches, asserted after every value comparison
 

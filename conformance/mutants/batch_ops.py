@@ -479,6 +479,31 @@ def _images_reversed():
     return _with(Ops)()
 
 
+@mutant("stage_inputs_image_major_on_equal_counts", "where every row holds the same number "
+        "(2 or more) of images, the stage stacked them as one [rows, images] block and read it "
+        "image-major: rows get each other's images, with every count and shape still right",
+        "batch_ops")
+def _image_major():
+    def regroup(v: PackedTensor) -> PackedTensor:
+        segs = [v.row_segments(i) or [] for i in range(len(v.rows))]
+        counts = {len(s) for s in segs}
+        k = counts.pop() if len(counts) == 1 else 0
+        if len(segs) < 2 or k < 2:
+            return v
+        flat = [segs[i][j] for j in range(k) for i in range(len(segs))]
+        return PackedTensor.from_rows([flat[i * k:(i + 1) * k] for i in range(len(segs))],
+                                      v.pack_dim)
+
+    class Ops(BatchOps):
+        def multimodal_inputs(self, batch, stage, dtype=None):
+            packed = batch.packed_form()
+            fields = {name: regroup(v) if isinstance(v, PackedTensor) and v.pack_dim == 0 else v
+                      for name, v in packed.fields.items()}
+            return Batch(fields, batch.family).multimodal_inputs(stage, dtype)
+
+    return _with(Ops)()
+
+
 # -- no aliasing (BATCH-NO-ALIAS) ----------------------------------------------------------------
 @mutant("select_shares_list_values", "select copied each dict row one level deep (dict(row)): "
         "its per-image list values are the source row's lists", "batch_ops")
