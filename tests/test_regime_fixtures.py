@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlconform.conformance.clauses._check import assert_unchanged, scribble, snapshot
-from rlconform.fixtures.strategies import batch_cases, hetero_cases
+from rlconform.fixtures.strategies import batch_cases, hetero_cases, tiles_images
 from rlconform.fixtures.synthetic import (
     LAYOUTS,
     MEDIA_REGIMES,
@@ -35,11 +35,14 @@ def test_regime_plans_are_in_the_regime_they_name(layout, media):
     for family in ("qwen2_vl", "idefics3", "llava_next"):
         batch = build_batch(family, regime_plan(family, layout, media))
         assert layout_of(batch) == layout, (family, layout, media, batch.seq_lens.tolist())
-        if layout != "single_row" or media in ("ragged", "media_free", "all_media", "uniform"):
+        if layout != "single_row" or media in ("ragged", "media_free", "all_media", "uniform",
+                                               "equal_count"):
             got = media_regime_of(batch)
             want = {"ragged": {"ragged", "all_media"}}.get(media, {media})
-            if layout == "single_row":  # one row: "uniform" and "all media" coincide
-                want |= {"uniform", "all_media"}
+            if layout == "single_row":  # one row: uniform, all media and equal counts coincide
+                want |= {"uniform", "all_media", "equal_count"}
+            if media == "equal_count" and tiles_images(family):  # one run of tiles a row
+                want = {"uniform"}
             assert got in want, (family, layout, media, images_per_row(batch))
 
 

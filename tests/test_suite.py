@@ -351,17 +351,20 @@ def test_generated_clause_table_is_current():
 
 
 def test_hypothesis_failure_is_reported_and_replays(tmp_path):
-    code, report, out = run_suite(tmp_path, "mutant:densify_uniform_rows", "--surfaces", "codec",
-                                  "-k", "test_property_roundtrip", "--profile", "ci")
+    # a drawn failure (explicit examples fail without a blob): a test with no explicit examples
+    code, report, out = run_suite(tmp_path, "mutant:rows_grouped_by_put", "--surfaces",
+                                  "transport", "-k", "test_property_get_in_any_order",
+                                  "--profile", "ci")
     assert code != 0
     failures = [t for c in report["clauses"] for t in c["tests"] if t["hypothesis"]]
     assert failures, "the hypothesis failure's example and blob are not in the report"
     h = failures[0]["hypothesis"]
-    assert "batch=" in h["example"] and ":" in h["blob"], h
+    assert "data=" in h["example"] and ":" in h["blob"], h
     again = [sys.executable, "-m", "pytest", "-p", "rlconform.conformance.engine.plugin", "--pyargs",
              "rlconform.conformance.clauses", "--no-report", "-p", "no:cacheprovider", "-q",
-             "-k", "test_codec and test_property_roundtrip", "--replay", h["blob"]]
-    bad = subprocess.run([*again, "--backend", "mutant:densify_uniform_rows"],
+             "-k", "test_transport_untrusted and test_property_get_in_any_order",
+             "--replay", h["blob"]]
+    bad = subprocess.run([*again, "--backend", "mutant:rows_grouped_by_put"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode != 0 and "Failing test case" in bad.stdout, bad.stdout[-2000:]
     fixed = subprocess.run([*again, "--backend", "reference"], capture_output=True, text=True,
