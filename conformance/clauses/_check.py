@@ -273,12 +273,12 @@ def call_arguments(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
     if owner is not None and (isinstance(owner, Batch) or _is_meta(owner)):
         named.append(("self", owner))
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
     except (TypeError, ValueError):  # no signature, or one the call does not fit: by position
         return named + [(f"#{k}", a) for k, a in enumerate(args)] + list(kwargs.items())
-    params = inspect.signature(fn).parameters
     for name, value in bound.arguments.items():
-        if params[name].kind is inspect.Parameter.VAR_POSITIONAL:  # (*args): one entry each
+        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:  # one entry each
             named += [(f"{name}[{k}]", v) for k, v in enumerate(value)]
         else:
             named.append((name, value))
