@@ -73,3 +73,21 @@ def test_tensors_and_equal_copies_are_not_shared_containers():
     assert shared_container(rows) is None
     rows.rows[1] = rows.rows[0]
     assert "result[1] is the same dict object as result[0]" == shared_container(rows)
+
+
+def test_fresh_objects_built_on_each_read_are_not_taken_for_one():
+    """A meta whose attributes are properties building a new list on each read: an object gone
+    after its read must not be taken for a later one that got its id."""
+    class Meta:
+        def __init__(self):
+            self.partition, self.keys, self.tags, self.extra = "p", ["a"], [{}], {}
+
+        @property
+        def fields(self):
+            return ["x"]
+
+        @property
+        def seq_lens(self):
+            return [1]
+
+    assert shared_container([Meta(), Meta()]) is None

@@ -314,15 +314,17 @@ def shared_container(obj, path: str = "result") -> str | None:
     or bytearray reached twice: two rows' tags, two chunks' extras, a dict row handed out twice),
     or None. Mutating one place then changes the other. Reaches what `scribble` reaches;
     tensors are not looked at (operations share them by design)."""
-    seen: dict[int, str] = {}
+    # id -> (place, the object): holding it keeps its id from going to a new object (a meta's
+    # attribute may be a property that builds a fresh list each time it is read)
+    seen: dict[int, tuple[str, object]] = {}
 
     def go(x, where: str) -> str | None:
         if isinstance(x, (Tensor, str, bytes, int, float, type(None))):
             return None
         if isinstance(x, _CONTAINERS):
             if id(x) in seen:
-                return f"{where} is the same {type(x).__name__} object as {seen[id(x)]}"
-            seen[id(x)] = where
+                return f"{where} is the same {type(x).__name__} object as {seen[id(x)][0]}"
+            seen[id(x)] = (where, x)
         if isinstance(x, Batch):
             return go(x.fields, f"{where}.fields") or go(x.extra, f"{where}.extra")
         if isinstance(x, PackedTensor):
@@ -457,13 +459,13 @@ def scribble(obj) -> int:
     a PackedTensor's row and segment lists an entry, a meta's keys, fields, seq_lens, tags and
     extra likewise); tensors are left alone (operations may share them by design). Returns how
     many containers were touched, so a caller can check it touched something."""
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # holding each object keeps its id from being reused
     probe = "__scribbled__"
 
     def go(x) -> int:
         if id(x) in seen or isinstance(x, (Tensor, str, bytes, int, float, type(None))):
             return 0
-        seen.add(id(x))
+        seen[id(x)] = x
         if isinstance(x, Batch):
             return go(x.fields) + go(x.extra)
         if isinstance(x, PackedTensor):
