@@ -264,8 +264,8 @@ class Attempts:
 def call_arguments(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
     """Every argument of the call `fn(*args, **kwargs)`, named from fn's signature: the object a
     method is bound to first when it is data (a meta, a batch), then each parameter as bound
-    (`*args` as one tuple, `**kwargs` as one dict). Derived from the call itself, so a check
-    built on it cannot leave an argument out."""
+    (`*args` one entry each, `name[k]`; `**kwargs` as one dict). Derived from the call itself,
+    so a check built on it cannot leave an argument out."""
     import inspect
 
     named: list[tuple[str, object]] = []
