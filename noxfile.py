@@ -170,9 +170,15 @@ def conformance(session: nox.Session) -> None:
                 Path(report_dir, "mutants", "kill_matrix.json").is_file():
             session.log("using the kill matrix already in the report dir "
                         "(RLCONFORM_REUSE_KILL_MATRIX)")
-        else:
+        elif _mutant_regime(args):  # a GPU run: the kill matrix in its own regime, first
             session.run("rlconform", "mutants", "--report-dir", report_dir,
                         *_mutant_regime(args))
+        else:
+            # the main job: the clause run in one process and the kill matrix beside it
+            # (engine/beside.py), instead of one after the other with two workers each
+            args += ["--with-kill-matrix"]
+            if "--workers" not in args:
+                args += ["--workers", "0"]
     session.run("rlconform", "run", *args)
 
 

@@ -56,7 +56,7 @@ def _cmd_clauses(a, extra) -> int:
 
 
 def _cmd_mutants(a, extra) -> int:
-    from rlconform.conformance.engine.kill_matrix import kill_matrix, no_verdict
+    from rlconform.conformance.engine.kill_matrix import failures, kill_matrix, no_verdict
     from rlconform.conformance.engine.shards import parse
 
     shard = parse(a.shard)  # a bad K/N: exit 2 before any worker starts
@@ -111,10 +111,8 @@ def _cmd_mutants(a, extra) -> int:
     print(f"{len(m['mutants'])} mutants, {killed} killed, {len(survived)} survived"
           + (f", {len(errors)} errors (no verdict)" if errors else "")
           + f", {m['duration_s']} s; {a.report_dir}/mutants/kill_matrix.json")
-    failed = (errors or survived or m["claims_not_killed"]
-              or (m["clauses_without_kill"] and not partial)
-              or ((a.full or a.every_test) and m["tests_without_kill"] and not partial
-                  and "-k" not in extra))
+    failed = failures(m, partial=bool(partial),
+                      tests_checked=(a.full or a.every_test) and "-k" not in extra)
     return 1 if failed else 0
 
 

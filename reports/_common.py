@@ -244,7 +244,11 @@ def iter_metrics(report: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any],
 
 
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """Nested provenance as dotted key/value rows (packages.torch, device.name, ...)."""
+    """Nested provenance as dotted key/value rows (packages.torch, device.name, ...). The
+    content fingerprint's per-file hashes (~150) read as their count: report.json has them."""
+    if prefix == "content." and isinstance(obj, Mapping) and "files" in obj:
+        return [("content.digest", obj.get("digest")),
+                ("content.files", f"{len(obj['files'])} files (each one's hash: report.json)")]
     if isinstance(obj, Mapping):
         rows: list[tuple[str, Any]] = []
         for key, value in obj.items():

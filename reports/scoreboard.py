@@ -73,8 +73,15 @@ class Entry:
         return -1.0 if s is None else s
 
     def stale(self, current: str | None) -> bool:
-        """Made under another clause catalogue (or before reports recorded one)."""
-        return current is not None and self.report["provenance"].get("catalogue") != current
+        """Made under another clause catalogue (or before reports recorded one), or a file its
+        verdicts rest on has changed since (its content fingerprint)."""
+        if current is None:
+            return False
+        if self.report["provenance"].get("catalogue") != current:
+            return True
+        from rlconform.conformance.catalogue.content import changed
+
+        return changed(self.report["provenance"].get("content")) != []
 
 
 @dataclass

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .html import render_html
 from .junit import render_junit
 from .markdown import render_markdown
-from .model import validate_report
+from .model import ValidatedReport, validate_report
 
 FILENAMES = {
     "json": "report.json",
@@ -59,19 +59,30 @@ def write_text(path: str | Path, text: str) -> Path:
     return path
 
 
-def write_reports(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Validate `report`, then write report.json, report.md, report.html and junit.xml.
+RENDERERS = {
+    "json": lambda r: json.dumps(r, indent=2, ensure_ascii=False, allow_nan=False) + "\n",
+    "markdown": render_markdown,
+    "html": render_html,
+    "junit": render_junit,
+}
+
+
+def write_reports(report: Mapping[str, Any], out_dir: str | Path,
+                  formats: Iterable[str] | None = None) -> dict[str, Path]:
+    """Validate `report` (once), then write report.json, report.md, report.html and junit.xml,
+    or only the `formats` named (keys of FILENAMES; json is always written: every other format
+    and every tool that reads reports is made from it).
 
     Everything is rendered before anything is written, so an invalid report or a renderer
     error leaves the folder as it was. Returns {"json"|"markdown"|"html"|"junit": path}.
     """
     validate_report(report)
-    texts = {
-        "json": json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n",
-        "markdown": render_markdown(report),
-        "html": render_html(report),
-        "junit": render_junit(report),
-    }
+    report = ValidatedReport(report)
+    wanted = set(FILENAMES) if formats is None else {"json", *formats}
+    unknown = sorted(wanted - set(FILENAMES))
+    if unknown:
+        raise ValueError(f"unknown report formats {unknown}; known: {', '.join(FILENAMES)}")
+    texts = {kind: render(report) for kind, render in RENDERERS.items() if kind in wanted}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}

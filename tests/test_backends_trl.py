@@ -411,6 +411,7 @@ TRL_POINTS = {  # point -> the GRPOConfig options it maps to (the ones that diff
     "constant-normalizer": dict(loss_type="dr_grpo", max_completion_length=8),
     "entropy-bonus": dict(entropy_coef=0.01),
     "grad-clip": dict(max_grad_norm=0.05),
+    "grad-clip-seq-mean": dict(max_grad_norm=0.05, loss_type="grpo"),
     "epochs-2": dict(num_iterations=2),
 }
 TRL_UNDECLARED = {"kl-k1": "k3 only", "kl-k2": "k3 only", "truncated-is": "vLLM",

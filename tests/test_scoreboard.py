@@ -230,9 +230,11 @@ def test_mutant_reports_in_a_folder_are_left_out_unless_named(tmp_path):
 
 def test_a_report_of_another_catalogue_is_marked_stale_and_families_are_shown(tmp_path):
     from rlconform.conformance.catalogue import fingerprint
+    from rlconform.conformance.catalogue.content import fingerprint as content
 
     fresh = report("fresh")
     fresh["provenance"]["catalogue"] = fingerprint()
+    fresh["provenance"]["content"] = content(None, None)
     old = report("old")
     old["provenance"]["catalogue"] = "0000000000000000"
     for r in (fresh, old):
@@ -250,18 +252,29 @@ def test_a_report_of_another_catalogue_is_marked_stale_and_families_are_shown(tm
 
 def test_committed_reports_are_current():
     """Every committed report was made under the current clause catalogue (its fingerprint:
-    clause definitions and their tests): a submission that changes clauses regenerates the
-    reports (`nox -s backend_reports`), or CI fails here naming the stale ones."""
+    clause definitions and their tests) and from the current content of every file its verdicts
+    rest on (test bodies, fixtures, tolerances, reference parts, verdict rules, its adapter and
+    waiver file): a submission that changes them regenerates the reports (`nox -s
+    backend_reports`), or CI fails here naming the stale ones and the files."""
     from rlconform.conformance.catalogue import fingerprint
+    from rlconform.conformance.catalogue.content import changed
 
     current = fingerprint()
     stale = []
     for path in sorted((ROOT / "docs" / "backend-reports").glob("*.json")):
-        made = json.loads(path.read_text())["provenance"].get("catalogue")
+        prov = json.loads(path.read_text())["provenance"]
+        made = prov.get("catalogue")
+        files = changed(prov.get("content"))
         if made != current:
             stale.append(f"{path.name} (catalogue {made or 'not recorded'})")
+        elif files is None:
+            stale.append(f"{path.name} (no content fingerprint)")
+        elif files:
+            stale.append(f"{path.name} ({len(files)} files its verdicts rest on changed: "
+                         f"{', '.join(files[:4])}{' ...' if len(files) > 4 else ''})")
     assert not stale, (f"committed reports made under another clause catalogue than the "
-                       f"current one ({current}): {', '.join(stale)}; regenerate them with "
+                       f"current one ({current}) or before a change to what their verdicts "
+                       f"rest on: {'; '.join(stale)}; regenerate them with "
                        "`nox -s backend_reports -- NAME ...`")
 
 
@@ -286,3 +299,29 @@ def test_each_implemented_surface_is_scored_in_its_backends_column(tmp_path):
     assert codec[1].startswith("100.0%") and codec[2] == "lent"
     assert row(md, "trainer")[2] == "lent"
     assert "id='surfaces'" in sb.render_html(board)
+
+
+def test_the_content_fingerprint_names_what_changed(tmp_path):
+    """A changed test body, a new or gone file and a changed waiver file each change the
+    digest, and `changed` names the file (what the staleness test prints)."""
+    from rlconform.conformance.catalogue import content
+
+    waivers = tmp_path / "w.toml"
+    waivers.write_text("# none\n")
+    now = content.fingerprint("rlconform.conformance.backends.verl:backend", waivers)
+    assert "conformance/clauses/test_codec.py" in now["files"]
+    assert "conformance/backends/verl.py" in now["files"]
+    assert content.changed(now) == []
+    edited = json.loads(json.dumps(now))
+    edited["files"]["conformance/clauses/test_codec.py"] = "0" * 12
+    assert content.changed(edited) == ["conformance/clauses/test_codec.py"]
+    del edited["files"]["fixtures/strategies.py"]
+    edited["files"]["conformance/clauses/test_gone.py"] = "0" * 12
+    assert content.changed(edited) == ["conformance/clauses/test_codec.py",
+                                       "conformance/clauses/test_gone.py (gone)",
+                                       "fixtures/strategies.py (new)"]
+    waivers.write_text("# one more line\n")
+    assert content.changed(now) == [waivers.resolve().as_posix()]
+    assert content.fingerprint("rlconform.conformance.backends.verl:backend",
+                               waivers)["digest"] != now["digest"]
+    assert content.changed(None) is None

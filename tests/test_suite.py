@@ -66,29 +66,58 @@ def test_tests_name_only_known_clauses():
 
 # -- reference and mutants -----------------------------------------------------------------
 @pytest.mark.slow
-def test_reference_passes_every_clause(tmp_path):
-    code, report, out = run_suite(tmp_path, "reference", "--profile", "ci")
+def test_reference_passes_every_clause_and_every_mutant_dies(tmp_path):
+    """The main job as `nox -s conformance` runs it: the reference passes every clause, with the
+    kill matrix beside the run (`--with-kill-matrix`): every mutant killed by a clause that
+    claims it, every clause kills one, and the report carries the matrix."""
+    code, report, out = run_suite(tmp_path, "reference", "--profile", "ci",
+                                  "--with-kill-matrix", partial_ok=False)
     assert report is not None, out[-3000:]
     bad = {k: v for k, v in statuses(report).items() if v != "passed"}
     assert not bad, f"reference clauses not passing: {bad}\n{out[-3000:]}"
+    assert not report["problems"], report["problems"]
     assert code == 0, out[-3000:]
     assert {c.id for c in catalogue.CLAUSES} == set(statuses(report)), "clauses missing"
     for f in ("report.json", "report.md", "report.html", "junit.xml"):
         assert (tmp_path / "run0" / "reference" / f).stat().st_size > 0, f"{f} not written"
-
-
-@pytest.mark.slow
-def test_kill_matrix(tmp_path):
-    from rlconform.conformance.engine.kill_matrix import kill_matrix
-
-    m = kill_matrix(tmp_path, jobs=2)
+    m = report["kill_matrix"]
+    assert m is not None and json.loads(
+        (tmp_path / "run0" / "mutants" / "kill_matrix.json").read_text()) == m
+    assert {r["name"] for r in m["mutants"]} == set(load_all())
     survivors = {r["name"]: r.get("error", "") for r in m["mutants"] if not r["killed"]}
     assert not survivors, f"mutants not killed by a clause that names them: {survivors}"
     assert not m["clauses_without_kill"], \
         f"clauses that kill no mutant: {m['clauses_without_kill']}"
     assert not m["claims_not_killed"], \
         f"clauses that name a mutant but do not kill it: {m['claims_not_killed']}"
-    assert (tmp_path / "mutants" / "kill_matrix.json").is_file()
+    assert "rlconform: kill matrix: " in out, out[-2000:]
+
+
+def test_a_kill_matrix_beside_the_run_that_fails_fails_the_run(tmp_path, monkeypatch):
+    """A survivor of the kill matrix beside the run is a problem of the run: exit 1, as
+    `rlconform mutants` would exit (one mutant, claimed by a clause that cannot kill it)."""
+    from rlconform.conformance.engine import kill_matrix
+
+    seen = {}
+
+    def fake(report_dir, jobs=None, grow=None, **kw):
+        seen.update(jobs=jobs, grow=grow[1], grew=grow[0].wait(60))
+        return {"mutants": [{"name": "m", "killed": False, "failed": [], "expected": ["X"]}],
+                "errors": [], "claims_not_killed": [{"clause": "X", "mutant": "m"}],
+                "clauses_without_kill": [], "tests_without_kill": [], "duration_s": 0.1}
+
+    monkeypatch.setattr(kill_matrix, "kill_matrix", fake)
+    from rlconform.conformance.engine.runner import pytest_args
+
+    code = pytest.main(pytest_args("reference", [
+        "--report-dir", str(tmp_path), "--with-kill-matrix", "--partial-ok", "-q",
+        "-k", "test_none_and_empty_object_tags_survive"], "0"))
+    assert code == 1
+    assert seen["grew"] and seen["jobs"] >= 1 and seen["grow"] >= seen["jobs"]
+    report = json.loads((tmp_path / "reference" / "report.json").read_text())
+    assert any("kill matrix: mutants survived: m" in p for p in report["problems"]), \
+        report["problems"]
+    assert any("claims that did not kill: X x m" in p for p in report["problems"])
 
 
 # -- statuses, waivers, skips --------------------------------------------------------------
@@ -157,8 +186,9 @@ def test_a_waiver_that_no_longer_holds_is_xpass(tmp_path):
         match = "tags lost"
         expires = 2099-01-01
     """)
+    # the two clauses' tests only (test_transport.py holds them)
     code, report, out = run_suite(tmp_path, "reference", "--surfaces", "transport",
-                                  "--expectations", str(w))
+                                  "--expectations", str(w), "-k", "test_transport.py")
     rt, tags = _clause(report, "DP-ROUNDTRIP"), _clause(report, "DP-TAGS")
     assert rt["status"] == "xpass" and tags["status"] == "xpass", (rt["message"], tags["message"])
     xpassed = [t for t in rt["tests"] if t["outcome"] == "xpass"]
@@ -188,12 +218,24 @@ def test_a_waiver_that_no_longer_holds_is_xpass(tmp_path):
     ('clause = "DP-TAGS"\ncategory = "future"\nreason = "r"\nmatch = "tags|"\n'
      'expires = 2099-01-01', "matches any text"),
 ])
-def test_bad_waivers_fail_the_run(tmp_path, body, problem):
+def test_bad_waivers_are_refused_with_their_reason(tmp_path, body, problem):
+    from rlconform.conformance.engine.waivers import load_expectations
+
     w = _waiver_file(tmp_path, "[[waiver]]\n" + body + "\n")
+    _, problems = load_expectations("reference", w, set(catalogue.BY_ID))
+    assert any(problem in p for p in problems), problems
+
+
+def test_a_bad_waiver_fails_the_run(tmp_path):
+    """Each refusal above is a problem of the run: it is in the report and the run exits 1
+    (one case end to end; the rest are the same path)."""
+    w = _waiver_file(tmp_path, '[[waiver]]\nclause = "DP-TAGS"\ncategory = "future"\n'
+                     'reason = "r"\nmatch = "tags differ|TypeError"\nexpires = 2099-01-01\n')
     code, report, out = run_suite(tmp_path, "reference", "--surfaces", "meta",
-                                  "--expectations", str(w))
+                                  "--expectations", str(w), "-k", "test_dp_shards")
     assert code != 0, out[-2000:]
-    assert any(problem in p for p in report["problems"]), report["problems"]
+    assert any("has a branch that is only an exception type (TypeError)" in p
+               for p in report["problems"]), report["problems"]
 
 
 TWO_DEFECTS_BACKEND = '''

@@ -133,8 +133,11 @@ GRID: dict[str, LossConfig] = {
     "truncated-is": LossConfig(is_cap=2.0),
     # TRL's entropy bonus
     "entropy-bonus": LossConfig(entropy_coef=0.01),
-    # gradient-norm clipping below the step's norm
+    # gradient-norm clipping below the step's norm, under the default aggregation and under
+    # GRPO's sequence mean of token means (clipping composes with any loss; a clip mutant must
+    # die at both points, not at one)
     "grad-clip": LossConfig(max_grad_norm=0.05),
+    "grad-clip-seq-mean": LossConfig(max_grad_norm=0.05, aggregation="seq-mean-token-mean"),
     # several optimizer steps per generation batch (PPO epochs: TRL num_iterations; and
     # mini-batches: verl ppo_mini_batch_size), where the second step's ratio is not 1
     "epochs-2": LossConfig(epochs=2),

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -199,7 +200,8 @@ def mutant_args_problem(extra: list[str]) -> str | None:
 def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
                 full: bool = False, on_result=None, surfaces: list[str] | None = None,
-                every_test: bool = False, shard: tuple[int, int] | None = None) -> dict:
+                every_test: bool = False, shard: tuple[int, int] | None = None,
+                grow: tuple[threading.Event, int] | None = None) -> dict:
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
@@ -210,7 +212,10 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     keeps the mutants of those surfaces only (the nightly's GPU regime: trainer, rollout).
     `every_test` (implied by `full`): no clause stops at its first kill, and the matrix lists,
     per clause test function, the mutants that fail it. `shard` (K, N): only shard K's share
-    of the selected mutants (engine/shards.py; `rlconform merge` joins the shards' matrices)."""
+    of the selected mutants (engine/shards.py; `rlconform merge` joins the shards' matrices).
+    `grow` (event, jobs): once the event is set, more workers start, up to `jobs` in all (the
+    kill matrix run beside the clause run starts with one and takes the cores the clause run
+    leaves: engine/beside.py)."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -243,7 +248,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     env = dict(os.environ, PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     # each worker gets its share of the cores (torch would otherwise spin one thread per core in
     # every worker)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    most = max(jobs, grow[1] if grow else 0)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // most)))
     _share_gpu_ledger(env, extra)
     # the workers start loading torch and the clause modules while this process reads the
     # catalogue
@@ -252,7 +258,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
         return _drive(workers, report_dir, extra, env, only, full, on_result, t0,
                       every_test or full,
                       shard=None if shard is None else {"k": shard[0], "n": shard[1],
-                                                        "scope": scope})
+                                                        "scope": scope},
+                      grow=grow)
     finally:
         for w in workers:
             if w.proc.poll() is None:
@@ -290,7 +297,8 @@ def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict
 
 
 def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
-           on_result, t0: float, every_test: bool = False, shard: dict | None = None) -> dict:
+           on_result, t0: float, every_test: bool = False, shard: dict | None = None,
+           grow: tuple[threading.Event, int] | None = None) -> dict:
     import selectors
 
     from rlconform.conformance.mutants import load_all
@@ -304,7 +312,11 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     names = list(expected)
     previous = _previous_durations(report_dir)
     first = shards.killers(_regime_key(extra))
-    queue = sorted(names, key=lambda n: -_cost(expected[n], previous, n))
+    # longest first: by this report dir's last matrix, else the durations recorded for the
+    # regime (shard_durations.json: a fresh clone's first run starts the 14 s RANK-FAILURE
+    # mutant at once instead of near the end), else the claim-based estimate
+    recorded = shards.mutant_costs(names, _regime_key(extra), lambda n: _cost(expected[n], {}, n))
+    queue = sorted(names, key=lambda n: -previous.get(n, recorded[n]))
     rows: dict[str, dict] = {}
 
     def finish(name: str, code: int | str | None) -> None:
@@ -342,11 +354,22 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
             sel.unregister(w.results)
             w.stop()
 
+    def add_worker() -> None:
+        w = _Worker(report_dir, extra, env)
+        workers.append(w)
+        sel.register(w.results, selectors.EVENT_READ, w)
+        feed(w)
+
     for w in list(workers):
         sel.register(w.results, selectors.EVENT_READ, w)
         feed(w)
     while len(rows) < len(names):
-        for key, _ in sel.select():
+        if grow is not None and grow[0].is_set():
+            for _ in range(grow[1] - sum(w.proc.poll() is None for w in workers)):
+                if queue:
+                    add_worker()
+            grow = None
+        for key, _ in sel.select(None if grow is None else 0.2):
             w = key.data
             line = w.results.readline()
             if line:
@@ -361,10 +384,7 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
             if died is not None:
                 finish(died, f"worker exited with {w.proc.returncode} during this mutant")
             if queue:
-                w = _Worker(report_dir, extra, env)
-                workers.append(w)
-                sel.register(w.results, selectors.EVENT_READ, w)
-                feed(w)
+                add_worker()
     ordered = [rows[n] for n in names]
     matrix = summarize(ordered, _regime(extra), full, every_test, round(time.time() - t0, 2))
     if shard is not None:
@@ -374,6 +394,26 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     write_text(out / "kill_matrix.json", json.dumps(matrix, indent=2) + "\n")
     (out / "kill_matrix.partial.json").unlink(missing_ok=True)
     return matrix
+
+
+def failures(m: dict, partial: bool = False, tests_checked: bool = False) -> list[str]:
+    """Why a kill matrix fails, one line each ([] when it holds): runs with no verdict,
+    survivors, claims that did not kill, clauses that kill nothing (not for a `partial` matrix:
+    `--only`, a shard), and with `tests_checked` (`--full`, `--every-test` on every mutant)
+    clause tests that no mutant fails. `rlconform mutants` exits 1 on any; a clause run with
+    the kill matrix beside it records each as a problem."""
+    out = [f"mutant {e['mutant']} gave no verdict: {e['error']}" for e in m["errors"]]
+    survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
+    if survived:
+        out.append(f"mutants survived: {', '.join(survived)}")
+    if m["claims_not_killed"]:
+        out.append("claims that did not kill: " + ", ".join(
+            f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
+    if m["clauses_without_kill"] and not partial:
+        out.append(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
+    if tests_checked and m["tests_without_kill"] and not partial:
+        out.append("clause tests no mutant fails: " + ", ".join(m["tests_without_kill"]))
+    return out
 
 
 def summarize(ordered: list[dict], regime: dict, full: bool, every_test: bool,

@@ -26,6 +26,7 @@ _SAME = {
     "backend capabilities": lambda r: (r.get("backend_info") or {}).get("capabilities"),
     "git commit": lambda r: r["provenance"].get("git_commit"),
     "catalogue fingerprint": lambda r: r["provenance"].get("catalogue"),
+    "content fingerprint": lambda r: (r["provenance"].get("content") or {}).get("digest"),
     "profile": lambda r: r["provenance"].get("profile"),
     "dtype": lambda r: r["provenance"].get("dtype"),
     "model size": lambda r: r["provenance"].get("model_size"),

@@ -23,6 +23,22 @@ PROFILE_REQUIRES: dict[str, frozenset[str]] = {
     "nightly": frozenset({"bfloat16"}),
 }
 
+
+
+def report_formats(text: str) -> list[str]:
+    """`--report-formats`: the comma-separated list, each one a format write_reports knows."""
+    import argparse
+
+    from rlconform.reports.write import FILENAMES
+
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FILENAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown report formats {unknown}; known: "
+                                         f"{', '.join(f for f in FILENAMES if f != 'json')}")
+    return formats
+
+
 # The plugin's options (they pass through to pytest).
 OPTIONS: list[tuple[str, dict]] = [
     ("--backend", dict(default="reference",
@@ -55,6 +71,15 @@ OPTIONS: list[tuple[str, dict]] = [
     ("--report-dir", dict(default="reports/out",
                           help="reports go to REPORT_DIR/<backend>/")),
     ("--no-report", dict(action="store_true", help="write no report files")),
+    ("--with-kill-matrix", dict(action="store_true",
+                                help="run the mutant kill matrix beside the clause run (the "
+                                     "reference backend on the CPU; the main job): one kill-"
+                                     "matrix worker while the clause tests run, every core "
+                                     "after; the report waits for it and carries it")),
+    ("--report-formats", dict(default=None, metavar="F,F", type=report_formats,
+                              help="formats written beside report.json: any of markdown, "
+                                   "html, junit, comma-separated (default: all; the kill "
+                                   "matrix's mutant runs write report.json only)")),
     ("--surfaces", dict(default=None,
                         help="comma-separated surfaces: run only the clauses of these surfaces "
                              "(a partial run: the gate fails it)")),

@@ -15,6 +15,8 @@ fixtures live in small modules, one job each, registered here:
 - fixtures: the backend's surfaces and the run's settings as the clause tests receive them;
 - outcomes: each test's verdict, folded into the run's results on the controller (xdist-safe:
   everything it needs travels in the test reports' user_properties);
+- beside: `--with-kill-matrix` runs the mutant kill matrix beside the clause run (the main
+  job) and waits for it before the report is built;
 - report: writes the report and sets the exit status: non-zero when a clause failed, errored,
   passed where a waiver expected a failure (xpass), was skipped although declared or left
   partial, or a waiver is bad.
@@ -28,5 +30,6 @@ pytest_plugins = [
     "rlconform.conformance.engine.shards",
     "rlconform.conformance.engine.fixtures",
     "rlconform.conformance.engine.outcomes",
+    "rlconform.conformance.engine.beside",
     "rlconform.conformance.engine.report",
 ]

@@ -30,7 +30,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         report_dir = report_folder(config, st.backend)
         from rlconform.conformance.engine.report_builder import write
 
-        write(report, report_dir)
+        write(report, report_dir, config.getoption("--report-formats"))
         if config.getoption("--wandb"):
             from rlconform.conformance.engine.wandb_log import log_report
 

@@ -110,10 +110,12 @@ def _metrics(tests: list[dict]) -> dict:
 
 
 def build_report(st, config) -> dict:
+    from rlconform.conformance.catalogue.content import fingerprint as content_fingerprint
     from rlconform.conformance.engine import shards
 
     shard = shards.provenance_entry(st, config)
     prov = provenance(st, config)
+    prov["content"] = content_fingerprint(st.backend.source, st.expectations.path)
     if shard is not None:
         prov["shard"] = shard
     if getattr(st, "stopped_by", None):
@@ -427,8 +429,8 @@ def _beside_mutants(config, backend_name: str, name: str) -> dict | None:
     return json.loads(p.read_text())
 
 
-def write(report: dict, out_dir: Path) -> None:
+def write(report: dict, out_dir: Path, formats: list[str] | None = None) -> None:
     from rlconform.reports.write import write_reports
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_reports(report, out_dir)
+    write_reports(report, out_dir, formats)

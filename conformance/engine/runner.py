@@ -11,6 +11,13 @@ import pytest
 
 CLAUSES_PACKAGE = "rlconform.conformance.clauses"
 PLUGIN = "rlconform.conformance.engine.plugin"
+# The pytest plugins a run needs besides its own, loaded by name: `run` turns pytest's entry-point
+# autoload off (RLCONFORM_PLUGIN_AUTOLOAD=1 keeps it on). Autoload scans every installed
+# distribution (~0.4 s a process) and has pytest assertion-rewrite each plugin distribution's
+# modules on import: all of hypothesis (~180 modules) and anyio, ~1 s of CPU in every process
+# (the controller, each xdist worker) where bytecode writing is off. Another plugin is named
+# with `-p` (`rlconform run -- -p pytest_cov --cov ...`).
+HYPOTHESIS_PLUGIN = "_hypothesis_pytestplugin"
 
 
 def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") -> list[str]:
@@ -22,7 +29,11 @@ def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") ->
             # implementation says so only there. The ini form, because -W escapes its message
             # regex.
             "-o", "filterwarnings=ignore::UserWarning\ndefault:.*deterministic:UserWarning"]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        args += ["-p", HYPOTHESIS_PLUGIN]
     if workers and workers != "0":
+        if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+            args += ["-p", "xdist.plugin"]
         # loadgroup: like load, except tests of one xdist group share a worker (on a GPU the
         # model-building tests form one group: collection._one_device_group)
         args += ["-n", workers, "--dist", "loadgroup"]
@@ -37,6 +48,8 @@ def run(backend: str = "reference", extra: list[str] | None = None,
     from rlconform.conformance.engine import stopping
 
     _importable_from_here(backend)
+    if os.environ.get("RLCONFORM_PLUGIN_AUTOLOAD") != "1":
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # inherited by xdist workers
     b = load_backend(backend)
     if b.session.__name__ != "_no_session" and workers == "auto":
         workers = "0"  # a backend with its own cluster runs in one process

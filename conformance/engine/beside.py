@@ -1,0 +1,151 @@
+"""`--with-kill-matrix`: the mutant kill matrix runs beside the clause run, in the same command.
+
+The main job ran the kill matrix (two worker processes), then the clause run (two xdist
+workers): each phase paid its own start-up and its own idle tail, and every process imported
+torch, transformers and the clause modules. Here the clause run keeps one process (`rlconform
+run --workers 0`, the nox session's choice) while the kill matrix starts with one worker on the
+other core; when the clause tests are done, the kill matrix takes both cores for what is left
+(`kill_matrix(grow=...)`), and the report waits for it and carries it, as when it ran first.
+
+The kill matrix is the same: every mutant, the claiming clauses, the `ci` profile derandomised,
+written to REPORT_DIR/mutants/kill_matrix.json before the report reads it. Its failures
+(survivors, claims that did not kill, runs without a verdict, clauses that kill nothing) are
+problems of the run, so the run exits 1 on them as `rlconform mutants` would. CPU only: a GPU
+run's kill matrix has its own regime (`rlconform mutants --device cuda ...`, in shards).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlconform.conformance.engine.session import state
+
+_KEY = pytest.StashKey[dict]()
+_RUN: list[dict | None] = [None]  # the run of this process, for hooks that get no config
+
+
+def _enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption("--with-kill-matrix")) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _enabled(config):
+        return
+    why = None
+    if config.getoption("--device") != "cpu":
+        why = ("runs the kill matrix on the CPU, beside a CPU clause run; on a GPU run "
+               "`rlconform mutants --device cuda ...` on its own (the nightly's shards)")
+    elif config.getoption("--backend") != "reference":
+        why = "is for the reference backend, whose report carries the kill matrix"
+    elif config.getoption("--shard") or config.getoption("--placement"):
+        why = "is for a whole run: a shard's kill matrix runs in shards of its own"
+    if why:
+        raise pytest.UsageError(f"--with-kill-matrix {why}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if not _enabled(config) or config.getoption("collectonly", False):
+        return
+    import torch
+
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
+
+    jobs = max(1, os.cpu_count() or 1)
+    run = {"grow": threading.Event(), "matrix": None, "error": None, "t0": time.time(),
+           "threads": torch.get_num_threads()}
+    # this process's tests get the cores the kill matrix's first workers leave: torch's
+    # OpenMP threads spin while they wait, and one thread more than there are cores to run
+    # them cost ~15% more CPU for the same work
+    torch.set_num_threads(max(1, jobs - max(1, jobs - 1)))
+
+    def go() -> None:
+        try:
+            run["matrix"] = kill_matrix(Path(config.getoption("--report-dir")),
+                                        jobs=max(1, jobs - 1), grow=(run["grow"], jobs))
+        except Exception as exc:  # noqa: BLE001 - reported as a problem of the run
+            run["error"] = f"{type(exc).__name__}: {exc}"
+
+    run["thread"] = threading.Thread(target=go, name="rlconform-kill-matrix", daemon=True)
+    run["thread"].start()
+    config.stash[_KEY] = run
+    _RUN[0] = run
+
+
+# a kill-matrix worker takes ~4 s to start (it imports torch, transformers, the clause
+# modules): it is started when the clause tests left are expected to take about that long
+GROW_AHEAD_S = 5.0
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The expected seconds of each selected test (recorded durations of the regime:
+    engine/shard_durations.json), to start the kill matrix's next workers a little before the
+    clause tests end."""
+    run = session.config.stash.get(_KEY, None)
+    if run is None:
+        return
+    from rlconform.conformance.engine import shards
+    from rlconform.conformance.engine.items import plain_nodeid
+
+    ids = {plain_nodeid(i.nodeid): i.nodeid for i in session.items}
+    costs = shards.test_costs({n: False for n in ids}, shards.regime_key("cpu", "tiny", "ci"),
+                              {})
+    run["left"] = {ids[n]: c for n, c in costs.items()}
+    run["left_s"] = sum(run["left"].values())
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    run = _RUN[0]
+    if run is None or "left" not in run or run["grow"].is_set():
+        return
+    run["left_s"] -= run["left"].pop(nodeid, 0.0)
+    if run["left_s"] <= GROW_AHEAD_S:
+        run["grow"].set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session):
+    yield
+    run = session.config.stash.get(_KEY, None)
+    if run is not None:
+        run["grow"].set()  # the clause tests are done: the kill matrix takes every core
+
+
+@pytest.hookimpl(tryfirst=True)  # before report.py builds the report that carries the matrix
+def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
+    run = session.config.stash.get(_KEY, None)
+    if run is None:
+        return
+    import torch
+
+    from rlconform.conformance.engine import stopping
+    from rlconform.conformance.engine.kill_matrix import failures
+
+    st = state(session.config)
+    _RUN[0] = None
+    torch.set_num_threads(run["threads"])
+    if exitstatus == pytest.ExitCode.INTERRUPTED or stopping.received():
+        # not waited for: its workers end at their next mutant, when this process's pipe closes
+        st.problems.append("the kill matrix beside the run did not finish (run interrupted)")
+        return
+    run["grow"].set()
+    waited = time.time()
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if run["thread"].is_alive() and tr is not None:
+        tr.write_line("rlconform: waiting for the kill matrix beside the run ...")
+    run["thread"].join()
+    if run["error"]:
+        st.problems.append(f"the kill matrix beside the run failed: {run['error']}")
+        return
+    m = run["matrix"]
+    st.problems += [f"kill matrix: {f}" for f in failures(m)]
+    if tr is not None:
+        killed = sum(r["killed"] for r in m["mutants"])
+        tr.write_line(f"rlconform: kill matrix: {len(m['mutants'])} mutants, {killed} killed, "
+                      f"{m['duration_s']} s beside the run (waited {time.time() - waited:.1f} s "
+                      f"after the clause tests)")
