@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,10 @@ def test_a_kill_matrix_beside_the_run_that_fails_fails_the_run(tmp_path, monkeyp
     seen = {}
 
     def fake(report_dir, jobs=None, grow=None, **kw):
-        seen.update(jobs=jobs, grow=grow[1], grew=grow[0].wait(60))
+        t0 = time.time()  # more workers once the clause tests are done (none left to run)
+        while not grow[0](0.0) and time.time() - t0 < 60:
+            time.sleep(0.05)
+        seen.update(jobs=jobs, grow=grow[1], grew=grow[0](0.0))
         return {"mutants": [{"name": "m", "killed": False, "failed": [], "expected": ["X"]}],
                 "errors": [], "claims_not_killed": [{"clause": "X", "mutant": "m"}],
                 "clauses_without_kill": [], "tests_without_kill": [], "duration_s": 0.1}

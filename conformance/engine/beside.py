@@ -27,6 +27,9 @@ from rlconform.conformance.engine.session import state
 
 _KEY = pytest.StashKey[dict]()
 _RUN: list[dict | None] = [None]  # the run of this process, for hooks that get no config
+# a kill-matrix worker's start (imports torch, transformers, the clause modules), and the
+# mutants running when the matrix grows (not in its count of what is left): ~5 s
+WORKER_START_S = 5.0
 
 
 def _enabled(config: pytest.Config) -> bool:
@@ -64,10 +67,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # them cost ~15% more CPU for the same work
     torch.set_num_threads(max(1, jobs - max(1, jobs - 1)))
 
+    def when(matrix_left_s: float) -> bool:
+        """Take the other cores once the clause run is done, or earlier, once what the kill
+        matrix has left (plus a worker's start) is twice what the clause run has left: from
+        then on three processes share two cores (the clause run at 2/3 of one, the matrix at
+        4/3), and both end together (recorded durations of both: engine/shard_durations.json,
+        the clause run's scaled by its pace so far)."""
+        if run["grow"].is_set():
+            return True
+        if run.get("left_s") is None:
+            return False
+        # the recorded seconds, scaled by how fast this run's tests have gone so far
+        done = run["done_s"]
+        scale = (time.time() - run["t_first"]) / done if done > 5.0 else 1.0
+        return matrix_left_s + 2 * WORKER_START_S >= 2 * run["left_s"] * scale
+
     def go() -> None:
         try:
             run["matrix"] = kill_matrix(Path(config.getoption("--report-dir")),
-                                        jobs=max(1, jobs - 1), grow=(run["grow"], jobs))
+                                        jobs=max(1, jobs - 1), grow=(when, jobs))
         except Exception as exc:  # noqa: BLE001 - reported as a problem of the run
             run["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -77,15 +95,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _RUN[0] = run
 
 
-# a kill-matrix worker takes ~4 s to start (it imports torch, transformers, the clause
-# modules): it is started when the clause tests left are expected to take about that long
-GROW_AHEAD_S = 5.0
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The expected seconds of each selected test (recorded durations of the regime:
-    engine/shard_durations.json), to start the kill matrix's next workers a little before the
-    clause tests end."""
+    engine/shard_durations.json), to start the kill matrix's next workers before the clause
+    tests end (`when` above)."""
     run = session.config.stash.get(_KEY, None)
     if run is None:
         return
@@ -96,16 +109,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     costs = shards.test_costs({n: False for n in ids}, shards.regime_key("cpu", "tiny", "ci"),
                               {})
     run["left"] = {ids[n]: c for n, c in costs.items()}
+    run["done_s"], run["t_first"] = 0.0, time.time()
     run["left_s"] = sum(run["left"].values())
 
 
 def pytest_runtest_logfinish(nodeid: str, location) -> None:
     run = _RUN[0]
-    if run is None or "left" not in run or run["grow"].is_set():
-        return
-    run["left_s"] -= run["left"].pop(nodeid, 0.0)
-    if run["left_s"] <= GROW_AHEAD_S:
-        run["grow"].set()
+    if run is not None and "left" in run:
+        cost = run["left"].pop(nodeid, 0.0)
+        run["done_s"] += cost
+        run["left_s"] = max(0.0, run["left_s"] - cost)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -147,5 +160,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     if tr is not None:
         killed = sum(r["killed"] for r in m["mutants"])
         tr.write_line(f"rlconform: kill matrix: {len(m['mutants'])} mutants, {killed} killed, "
-                      f"{m['duration_s']} s beside the run (waited {time.time() - waited:.1f} s "
-                      f"after the clause tests)")
+                      f"{m['duration_s']} s beside the run (a second worker from "
+                      f"{m.get('grew_at_s', '-')} s; waited {time.time() - waited:.1f} s after "
+                      f"the clause tests)")

@@ -13,8 +13,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -201,7 +201,7 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
                 only: list[str] | None = None, extra: list[str] | None = None,
                 full: bool = False, on_result=None, surfaces: list[str] | None = None,
                 every_test: bool = False, shard: tuple[int, int] | None = None,
-                grow: tuple[threading.Event, int] | None = None) -> dict:
+                grow: tuple[Callable[[float], bool], int] | None = None) -> dict:
     """Run every mutant against the clauses that claim to kill it (with `full`: against every
     clause, every test of it, recording which tests each mutant fails), in `jobs` worker
     processes; write and return the kill matrix. A kill is a clause assertion failing (see
@@ -213,9 +213,10 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     `every_test` (implied by `full`): no clause stops at its first kill, and the matrix lists,
     per clause test function, the mutants that fail it. `shard` (K, N): only shard K's share
     of the selected mutants (engine/shards.py; `rlconform merge` joins the shards' matrices).
-    `grow` (event, jobs): once the event is set, more workers start, up to `jobs` in all (the
-    kill matrix run beside the clause run starts with one and takes the cores the clause run
-    leaves: engine/beside.py)."""
+    `grow` (when, jobs): more workers start, up to `jobs` in all, once `when(seconds)` is true,
+    asked every 0.2 s with the recorded seconds of the mutants not yet started (the kill matrix
+    run beside the clause run starts with one worker and takes a second core as the clause
+    run ends: engine/beside.py)."""
     report_dir = Path(report_dir)
     extra = list(extra or [])
     problem = mutant_args_problem(extra)
@@ -298,7 +299,7 @@ def shard_scope(extra: list[str], n: int, only: list[str] | None = None) -> dict
 
 def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: bool,
            on_result, t0: float, every_test: bool = False, shard: dict | None = None,
-           grow: tuple[threading.Event, int] | None = None) -> dict:
+           grow: tuple[Callable[[float], bool], int] | None = None) -> dict:
     import selectors
 
     from rlconform.conformance.mutants import load_all
@@ -316,8 +317,10 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
     # regime (shard_durations.json: a fresh clone's first run starts the 14 s RANK-FAILURE
     # mutant at once instead of near the end), else the claim-based estimate
     recorded = shards.mutant_costs(names, _regime_key(extra), lambda n: _cost(expected[n], {}, n))
-    queue = sorted(names, key=lambda n: -previous.get(n, recorded[n]))
+    cost = {n: previous.get(n, recorded[n]) for n in names}
+    queue = sorted(names, key=lambda n: -cost[n])
     rows: dict[str, dict] = {}
+    grew_at = None
 
     def finish(name: str, code: int | str | None) -> None:
         r = _collect(name, report_dir, code)
@@ -364,10 +367,11 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
         sel.register(w.results, selectors.EVENT_READ, w)
         feed(w)
     while len(rows) < len(names):
-        if grow is not None and grow[0].is_set():
+        if grow is not None and grow[0](sum(cost[n] for n in queue)):
             for _ in range(grow[1] - sum(w.proc.poll() is None for w in workers)):
                 if queue:
                     add_worker()
+            grew_at = round(time.time() - t0, 1)
             grow = None
         for key, _ in sel.select(None if grow is None else 0.2):
             w = key.data
@@ -387,6 +391,8 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
                 add_worker()
     ordered = [rows[n] for n in names]
     matrix = summarize(ordered, _regime(extra), full, every_test, round(time.time() - t0, 2))
+    if grew_at is not None:
+        matrix["grew_at_s"] = grew_at  # when more workers started (grow)
     if shard is not None:
         matrix["shard"] = shard
     out = report_dir / "mutants"
