@@ -94,6 +94,21 @@ def test_reference_passes_every_clause_and_every_mutant_dies(tmp_path):
     assert "rlconform: kill matrix: " in out, out[-2000:]
 
 
+@pytest.mark.parametrize("args, why", [
+    (["--backend", "mutant:densify_uniform_rows"], "is for the reference backend"),
+    (["--backend", "reference", "--shard", "1/2"], "is for a whole run"),
+    (["--backend", "reference", "--device", "cuda"], "runs the kill matrix on the CPU"),
+])
+def test_the_kill_matrix_beside_the_run_is_refused_where_it_does_not_belong(
+        tmp_path, capsys, args, why):
+    from rlconform.conformance.engine.runner import pytest_args
+
+    code = pytest.main(pytest_args(args[1], [*args[2:], "--report-dir", str(tmp_path),
+                                             "--with-kill-matrix", "--co", "-q"], "0"))
+    assert code == pytest.ExitCode.USAGE_ERROR
+    assert f"--with-kill-matrix {why}" in capsys.readouterr().err
+
+
 def test_a_kill_matrix_beside_the_run_that_fails_fails_the_run(tmp_path, monkeypatch):
     """A survivor of the kill matrix beside the run is a problem of the run: exit 1, as
     `rlconform mutants` would exit (one mutant, claimed by a clause that cannot kill it)."""

@@ -4,8 +4,9 @@ The main job ran the kill matrix (two worker processes), then the clause run (tw
 workers): each phase paid its own start-up and its own idle tail, and every process imported
 torch, transformers and the clause modules. Here the clause run keeps one process (`rlconform
 run --workers 0`, the nox session's choice) while the kill matrix starts with one worker on the
-other core; when the clause tests are done, the kill matrix takes both cores for what is left
-(`kill_matrix(grow=...)`), and the report waits for it and carries it, as when it ran first.
+other core; as the clause run nears its end, the kill matrix takes the other cores too
+(`kill_matrix(grow=...)`, the rule in `when` below), and the report waits for it and carries
+it, as when it ran first.
 
 The kill matrix is the same: every mutant, the claiming clauses, the `ci` profile derandomised,
 written to REPORT_DIR/mutants/kill_matrix.json before the report reads it. Its failures
