@@ -191,7 +191,7 @@ def gate(
                   "join every shard's report with `rlconform merge` and gate the merged report")
         reasons.append(reason)
         partial.add(reason)
-    reasons += _kill_matrix_reasons(report.get("kill_matrix"))
+    reasons += kill_matrix_reasons(report.get("kill_matrix"))
 
     if baseline is not None:
         for reason, deselected in (_coverage_drops(report, baseline, allow_coverage_drop)
@@ -302,10 +302,11 @@ def _cells_lost(report: Mapping[str, Any], baseline: Mapping[str, Any],
     return out
 
 
-def _kill_matrix_reasons(km: Mapping[str, Any] | None) -> list[str]:
+def kill_matrix_reasons(km: Mapping[str, Any] | None) -> list[str]:
     """A report that carries a kill matrix (the reference's) fails the gate when a mutant
     survived its claimed clauses, a claim did not kill, or a mutant's run gave no verdict: the
-    clauses were not shown able to fail in this regime."""
+    clauses were not shown able to fail in this regime. (`kill_matrix.failures`, which decides
+    `rlconform mutants`' exit status, adds the matrix's own completeness rules to these.)"""
     if not km:
         return []
     regime = km.get("regime") or {}

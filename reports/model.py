@@ -211,9 +211,10 @@ def load_report(path: str | Path) -> dict[str, Any]:
 
 
 class ValidatedReport(dict):
-    """A report dict that `as_report` has upgraded and validated. `write_reports` validates once
-    and hands this to every renderer, which then skip the schema walk (~0.1-0.5 s a report,
-    paid once per renderer before; the kill matrix writes one report per mutant). Read-only by
+    """A report dict already validated (by `as_report`, which upgrades it first, or by
+    `write_reports`), so `as_report` returns it as it is. `write_reports` validates once and
+    hands this to every renderer, which then skip the schema walk (~0.1-0.5 s a report, paid
+    once per renderer before; the kill matrix writes one report per mutant). Read-only by
     convention: a changed copy must go through `as_report` again."""
 
 

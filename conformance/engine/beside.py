@@ -26,8 +26,7 @@ import pytest
 
 from rlconform.conformance.engine.session import state
 
-_KEY = pytest.StashKey[dict]()
-_RUN: list[dict | None] = [None]  # the run of this process, for hooks that get no config
+_RUN: list[dict | None] = [None]  # this process's run (pytest_runtest_logfinish gets no config)
 # a kill-matrix worker's start (imports torch, transformers, the clause modules), and the
 # mutants running when the matrix grows (not in its count of what is left): ~5 s
 WORKER_START_S = 5.0
@@ -61,12 +60,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from rlconform.conformance.engine.kill_matrix import kill_matrix
 
     jobs = max(1, os.cpu_count() or 1)
-    run = {"grow": threading.Event(), "matrix": None, "error": None, "t0": time.time(),
+    run = {"grow": threading.Event(), "matrix": None, "error": None,
            "threads": torch.get_num_threads()}
-    # this process's tests get the cores the kill matrix's first workers leave: torch's
+    # this process's tests get the one core the kill matrix's first workers leave: torch's
     # OpenMP threads spin while they wait, and one thread more than there are cores to run
     # them cost ~15% more CPU for the same work
-    torch.set_num_threads(max(1, jobs - max(1, jobs - 1)))
+    torch.set_num_threads(1)
 
     def when(matrix_left_s: float) -> bool:
         """Take the other cores once the clause run is done, or earlier, once what the kill
@@ -92,7 +91,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     run["thread"] = threading.Thread(target=go, name="rlconform-kill-matrix", daemon=True)
     run["thread"].start()
-    config.stash[_KEY] = run
     _RUN[0] = run
 
 
@@ -100,7 +98,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """The expected seconds of each selected test (recorded durations of the regime:
     engine/shard_durations.json), to start the kill matrix's next workers before the clause
     tests end (`when` above)."""
-    run = session.config.stash.get(_KEY, None)
+    run = _RUN[0]
     if run is None:
         return
     from rlconform.conformance.engine import shards
@@ -125,14 +123,14 @@ def pytest_runtest_logfinish(nodeid: str, location) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtestloop(session: pytest.Session):
     yield
-    run = session.config.stash.get(_KEY, None)
+    run = _RUN[0]
     if run is not None:
         run["grow"].set()  # the clause tests are done: the kill matrix takes every core
 
 
 @pytest.hookimpl(tryfirst=True)  # before report.py builds the report that carries the matrix
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
-    run = session.config.stash.get(_KEY, None)
+    run = _RUN[0]
     if run is None:
         return
     import torch
@@ -157,7 +155,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         st.problems.append(f"the kill matrix beside the run failed: {run['error']}")
         return
     m = run["matrix"]
-    st.problems += [f"kill matrix: {f}" for f in failures(m)]
+    st.problems += failures(m)
     if tr is not None:
         killed = sum(r["killed"] for r in m["mutants"])
         tr.write_line(f"rlconform: kill matrix: {len(m['mutants'])} mutants, {killed} killed, "

@@ -246,6 +246,8 @@ def kill_matrix(report_dir: str | Path = "reports/out", jobs: int | None = None,
     t0 = time.time()
     for stale in (report_dir / "mutants").glob("mutant_*/report.json"):
         stale.unlink()
+    # no entry-point autoload (scanning every installed distribution costs ~0.4 s a mutant's
+    # session): runner.pytest_args then loads the one plugin a mutant run needs by name
     env = dict(os.environ, PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     # each worker gets its share of the cores (torch would otherwise spin one thread per core in
     # every worker)
@@ -403,22 +405,21 @@ def _drive(workers, report_dir: Path, extra: list[str], env: dict, only, full: b
 
 
 def failures(m: dict, partial: bool = False, tests_checked: bool = False) -> list[str]:
-    """Why a kill matrix fails, one line each ([] when it holds): runs with no verdict,
-    survivors, claims that did not kill, clauses that kill nothing (not for a `partial` matrix:
+    """Why a kill matrix fails, one line each ([] when it holds): what fails the gate of a
+    report carrying it (runs with no verdict, survivors, claims that did not kill:
+    reports/gate.kill_matrix_reasons), clauses that kill nothing (not for a `partial` matrix:
     `--only`, a shard), and with `tests_checked` (`--full`, `--every-test` on every mutant)
     clause tests that no mutant fails. `rlconform mutants` exits 1 on any; a clause run with
     the kill matrix beside it records each as a problem."""
-    out = [f"mutant {e['mutant']} gave no verdict: {e['error']}" for e in m["errors"]]
-    survived = [r["name"] for r in m["mutants"] if not r["killed"] and not no_verdict(r)]
-    if survived:
-        out.append(f"mutants survived: {', '.join(survived)}")
-    if m["claims_not_killed"]:
-        out.append("claims that did not kill: " + ", ".join(
-            f"{c['clause']} x {c['mutant']}" for c in m["claims_not_killed"]))
+    from rlconform.reports.gate import kill_matrix_reasons
+
+    out = kill_matrix_reasons(m)
     if m["clauses_without_kill"] and not partial:
-        out.append(f"clauses that kill no mutant: {', '.join(m['clauses_without_kill'])}")
+        out.append("clauses that kill no mutant in the kill matrix: "
+                   + ", ".join(m["clauses_without_kill"]))
     if tests_checked and m["tests_without_kill"] and not partial:
-        out.append("clause tests no mutant fails: " + ", ".join(m["tests_without_kill"]))
+        out.append("clause tests no mutant fails in the kill matrix: "
+                   + ", ".join(m["tests_without_kill"]))
     return out
 
 

@@ -135,10 +135,6 @@ def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
         return f"{type(exc).__name__}: {exc}"
 
 
-# Workers set PYTEST_DISABLE_PLUGIN_AUTOLOAD (scanning every installed distribution for pytest
-# entry points costs ~0.4 s a session); pytest_args then loads the one plugin a mutant run
-# needs by name.
-
 
 def _warm_up() -> None:
     """Import what every mutant run needs before the first pytest session. hypothesis is a

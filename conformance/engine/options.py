@@ -24,7 +24,6 @@ PROFILE_REQUIRES: dict[str, frozenset[str]] = {
 }
 
 
-
 def report_formats(text: str) -> list[str]:
     """`--report-formats`: the comma-separated list, each one a format write_reports knows."""
     import argparse

@@ -29,10 +29,11 @@ def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") ->
             # implementation says so only there. The ini form, because -W escapes its message
             # regex.
             "-o", "filterwarnings=ignore::UserWarning\ndefault:.*deterministic:UserWarning"]
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+    by_name = bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"))
+    if by_name:
         args += ["-p", HYPOTHESIS_PLUGIN]
     if workers and workers != "0":
-        if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        if by_name:
             args += ["-p", "xdist.plugin"]
         # loadgroup: like load, except tests of one xdist group share a worker (on a GPU the
         # model-building tests form one group: collection._one_device_group)
