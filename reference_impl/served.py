@@ -56,8 +56,9 @@ def _raw(t: Tensor) -> bytes:
     t = t.detach().cpu().reshape(-1)
     if t.numel() and t.stride(0) != 1:
         # a one-element view with a stride (a row of `x[::2]`) counts as contiguous, so
-        # `.contiguous()` keeps its stride, and viewing it as bytes then fails
-        t = t.clone()
+        # `.contiguous()` and a plain `.clone()` keep its stride, and viewing it as bytes then
+        # fails: ask for the contiguous format's strides
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

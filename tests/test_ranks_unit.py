@@ -100,6 +100,29 @@ def test_client_roundtrips_every_layout(store):
     assert sorted(owner.list("p")) == sorted(KEYS[1:])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_client_puts_every_view_a_caller_holds(store, rows):
+    """Views a caller may hold (a storage offset, every other row, transposed, expanded), bf16
+    and int64, one row or several, with and without trailing dims: found by DP-STORE-CLIENTS's
+    nightly search, where a one-element `x[::2]` kept its stride through `.clone()` and could
+    not be viewed as bytes."""
+    owner, client = store
+    keys = KEYS[:rows]
+    for dtype in (torch.bfloat16, torch.int64):
+        for trailing in ((), (2, 2)):
+            base = torch.arange(2 * rows * 4).reshape(2 * rows, 4)[:, :max(1, len(trailing) * 2)]
+            base = base.reshape(2 * rows, *trailing).to(dtype)
+            views = {"offset": base[1:rows + 1], "strided": base[::2],
+                     "expanded": base[:1].expand(rows, *trailing)}
+            if trailing:
+                views["transposed"] = base[:rows].transpose(1, 2)
+            for name, view in views.items():
+                part = f"{dtype}-{len(trailing)}"
+                client.put(part, keys, {name: view})
+                got, _ = owner.get(part, keys, [name])
+                assert same(view.contiguous(), got[name]), (dtype, trailing, name)
+
+
 def test_client_errors_name_what_is_missing(store):
     owner, client = store
     owner.put("p", KEYS[:2], {"adv": torch.zeros(2)})
