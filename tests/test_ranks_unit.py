@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -110,14 +111,14 @@ def test_client_puts_every_view_a_caller_holds(store, rows):
     keys = KEYS[:rows]
     for dtype in (torch.bfloat16, torch.int64):
         for trailing in ((), (2, 2)):
-            base = torch.arange(2 * rows * 4).reshape(2 * rows, 4)[:, :max(1, len(trailing) * 2)]
-            base = base.reshape(2 * rows, *trailing).to(dtype)
+            base = torch.arange(2 * rows * math.prod(trailing)).reshape(2 * rows, *trailing)
+            base = base.to(dtype)
             views = {"offset": base[1:rows + 1], "strided": base[::2],
                      "expanded": base[:1].expand(rows, *trailing)}
             if trailing:
                 views["transposed"] = base[:rows].transpose(1, 2)
+            part = f"{dtype}-{len(trailing)}"
             for name, view in views.items():
-                part = f"{dtype}-{len(trailing)}"
                 client.put(part, keys, {name: view})
                 got, _ = owner.get(part, keys, [name])
                 assert same(view.contiguous(), got[name]), (dtype, trailing, name)

@@ -135,7 +135,6 @@ def _run_one_mutant(name: str, clause_ids: list[str] | None, report_dir: Path,
         return f"{type(exc).__name__}: {exc}"
 
 
-
 def _warm_up() -> None:
     """Import what every mutant run needs before the first pytest session. hypothesis is a
     pytest plugin distribution, so pytest would otherwise assertion-rewrite each of its ~180
