@@ -127,7 +127,9 @@ def _layout(name: str, col) -> dict:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous().reshape(-1)  # reshape: a 0-d row has no bytes view
+    t = t.detach().cpu().reshape(-1)  # reshape: a 0-d row has no bytes view
+    if t.numel() and t.stride(0) != 1:  # a one-element `x[::2]` keeps its stride through
+        t = t.clone(memory_format=torch.contiguous_format)  # `.contiguous()`: ask for strides 1
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

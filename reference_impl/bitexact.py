@@ -18,13 +18,32 @@ from torch import Tensor
 _SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def flat(t: Tensor) -> Tensor:
+    """`t` on the CPU, flattened, with the contiguous format's strides, so that it can be viewed
+    as another dtype or as bytes.
+
+    A one-element view with a stride (a row of `x[::2]`) counts as contiguous: `.contiguous()`,
+    `.reshape(-1)` and a plain `.clone()` keep its stride, and a view as another width then
+    fails. Every bytes view in the reference goes through here."""
+    out = t.detach().cpu().reshape(-1)
+    if out.numel() and out.stride(0) != 1:
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def as_bytes(t: Tensor) -> bytes:
+    """The raw bytes of `t`, flattened in row-major order."""
+    out = flat(t)
+    return out.view(torch.uint8).numpy().tobytes() if out.numel() else b""
+
+
 def bits(t: Tensor) -> Tensor:
     """The raw bits of `t`, flattened: one same-width integer per element (bytes for odd widths)."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    width = flat.element_size()
+    f = flat(t)
+    width = f.element_size()
     if width in _SAME_WIDTH:
-        return flat.view(_SAME_WIDTH[width])
-    return flat.view(torch.uint8).reshape(-1, width)  # e.g. complex128: compare byte rows
+        return f.view(_SAME_WIDTH[width])
+    return f.view(torch.uint8).reshape(-1, width)  # e.g. complex128: compare byte rows
 
 
 def _hex(b: Tensor, width: int) -> str:
@@ -36,21 +55,21 @@ def _hex(b: Tensor, width: int) -> str:
 
 def describe(t: Tensor, i: int) -> str:
     """Element `i` of `t` (flattened) in words that show what a value comparison hides."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    width = flat.element_size()
-    raw = _hex(bits(flat)[i], width)
-    if not flat.is_floating_point():
-        if flat.is_complex():
-            return f"{complex(flat[i].item())} ({raw})"
-        return f"{flat[i].item()}"
-    v = float(flat[i].item())
+    f = flat(t)
+    width = f.element_size()
+    raw = _hex(bits(f)[i], width)
+    if not f.is_floating_point():
+        if f.is_complex():
+            return f"{complex(f[i].item())} ({raw})"
+        return f"{f[i].item()}"
+    v = float(f[i].item())
     if math.isnan(v):
         return f"nan({raw})"
     if math.isinf(v):
         return "+inf" if v > 0 else "-inf"
     if v == 0.0:
         return "-0.0" if math.copysign(1.0, v) < 0 else "+0.0"
-    if abs(v) < torch.finfo(flat.dtype).smallest_normal:
+    if abs(v) < torch.finfo(f.dtype).smallest_normal:
         return f"{v!r} (subnormal {raw})"
     return f"{v!r} ({raw})"
 

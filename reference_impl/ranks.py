@@ -109,6 +109,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 import torch
 from torch import Tensor
 
+from .bitexact import as_bytes
+
 STAGES = ("logprob", "reference_logprob", "train")
 AUTHKEY_ENV = "RLCONFORM_RANK_AUTHKEY"
 
@@ -725,12 +727,10 @@ def _meta_dict(meta) -> dict:
 def _digest(state: dict[str, Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in state.items():
-        t = t.detach().cpu().contiguous()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(as_bytes(t))
     return h.hexdigest()
 
 

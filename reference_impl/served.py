@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import torch
 from torch import Tensor
 
+from .bitexact import as_bytes
 from .dataplane import InMemoryDataPlane, column_layout, jagged_from_values
 from .objects import ObjectColumn
 
@@ -52,16 +53,6 @@ class StoreAddress:
 
 
 # -- columns as bytes -------------------------------------------------------------------------
-def _raw(t: Tensor) -> bytes:
-    t = t.detach().cpu().reshape(-1)
-    if t.numel() and t.stride(0) != 1:
-        # a one-element view with a stride (a row of `x[::2]`) counts as contiguous, so
-        # `.contiguous()` and a plain `.clone()` keep its stride, and viewing it as bytes then
-        # fails: ask for the contiguous format's strides
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
 def _tensor(raw: bytes, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
     if not raw:
         return torch.empty(tuple(shape), dtype=dtype)
@@ -85,8 +76,8 @@ def pack_column(name: str, col) -> tuple:
         lengths = [int(r.shape[0]) for r in rows]
         values = (torch.cat(rows) if rows
                   else torch.empty((0, *layout.trailing), dtype=col.dtype))
-        return ("jagged", str(col.dtype), list(layout.trailing), _raw(values), lengths)
-    return ("dense", str(col.dtype), list(col.shape), _raw(col))
+        return ("jagged", str(col.dtype), list(layout.trailing), as_bytes(values), lengths)
+    return ("dense", str(col.dtype), list(col.shape), as_bytes(col))
 
 
 def unpack_column(packed: tuple):

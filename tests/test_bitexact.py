@@ -7,8 +7,11 @@ import re
 import pytest
 import torch
 
+from rlconform.fixtures.values import OUTSIDE_REGISTRY, REGISTRY_DTYPES
+from rlconform.reference_impl import bitexact
 from rlconform.reference_impl.batch import Batch
 from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.ranks import _digest
 
 
 # -- bit-exact comparison ------------------------------------------------------------------------
@@ -62,3 +65,31 @@ class TestBitExact:
         why = batch.first_difference(batch.replace(advantages=_from_bits([0x7FC00001,
                                                                           0x7FC00000])))
         assert why and why.startswith("field 'advantages': 1 value differs"), why
+
+
+# -- every bytes view goes through one helper ------------------------------------------------------
+_EVERY_DTYPE = sorted({*REGISTRY_DTYPES, *OUTSIDE_REGISTRY, torch.complex128, torch.bool}, key=str)
+
+
+def _one_element_views(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One-element tensors whose stride is not 1: `.contiguous()`, `.reshape(-1)` and `.clone()`
+    keep such a stride, and a view as another width refuses it."""
+    base = torch.arange(12).reshape(3, 4).to(dtype)
+    return {"every other row": base[:, 0][::2][1:], "column": base[1:2, 2],
+            "transposed": base.t()[3:, 1:2], "expanded": base[2, 3].expand(1)}
+
+
+@pytest.mark.parametrize("dtype", _EVERY_DTYPE, ids=str)
+def test_every_bytes_view_takes_one_element_strided_views(dtype):
+    """Found by the nightly on the served store; the same `flatten then view` stood in `bits`,
+    `describe` and the rank workers' weight digest."""
+    for name, view in _one_element_views(dtype).items():
+        assert view.numel() == 1, name
+        dense = view.clone(memory_format=torch.contiguous_format)
+        assert bitexact.as_bytes(view) == dense.view(torch.uint8).numpy().tobytes(), name
+        assert bitexact.bits(view).equal(bitexact.bits(dense)), name
+        assert bitexact.describe(view, 0) == bitexact.describe(dense, 0), name
+        assert bitexact.tensor_difference(dense, view) is None, name
+        assert _digest({"w": view}) == _digest({"w": dense}), name
+    column = _one_element_views(dtype)["column"]  # 6, or True
+    assert _digest({"w": torch.zeros_like(column)}) != _digest({"w": column})
