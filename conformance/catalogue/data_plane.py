@@ -69,14 +69,14 @@ DATA_PLANE_CLAUSES: list[Clause] = [
         "DP-NO-ALIAS",
         "stored data MUST NOT alias caller tensors or tags: mutating a tensor or a tag (at any "
         "depth) after put, or one returned by get, MUST NOT change what a later get returns, "
-        "and one get MUST NOT hand out one container twice (a key named twice gets its own "
-        "tag dict and object row each time).",
+        "and one get MUST NOT hand out one container or one memory twice (a key named twice "
+        "gets its own tag dict, object row and tensors each time).",
         "transport",
         "an in-place op on a fetched batch (e.g. a dtype cast or mask fill) corrupts the "
         "next rank's fetch; a driver that stamps a fetched tag's shape list changes every "
         "later fetch of that row",
         ("aliasing_put", "aliasing_get", "tags_shallow_copied_on_put", "tags_shared_on_get",
-         "repeated_key_rows_share_tags"),
+         "repeated_key_rows_share_tags", "repeated_key_rows_share_tensors"),
     ),
     Clause(
         "DP-CONCURRENT",
@@ -239,7 +239,8 @@ DATA_PLANE_CLAUSES: list[Clause] = [
         "dim and let `_` match any character: each lives in a sequence of calls or a pair of "
         "names no single-call clause produces",
         ("reput_keeps_old_value", "cleared_values_come_back", "repeated_key_returns_one_row",
-         "repeated_key_rows_share_tags", "clear_removes_held_keys_before_raising",
+         "repeated_key_rows_share_tags", "repeated_key_rows_share_tensors",
+         "clear_removes_held_keys_before_raising",
          "list_of_unknown_partition_raises", "zero_size_dims_dropped",
          "views_read_from_storage", "key_lookup_case_insensitive",
          "key_trailing_spaces_ignored", "field_names_nfkc_normalised", "key_seek_by_prefix",

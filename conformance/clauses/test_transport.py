@@ -21,6 +21,7 @@ from ._check import (
     keys_for,
     shared_container,
 )
+from ._store_model import shared_between_rows
 
 FAMILIES = media_families()
 
@@ -294,8 +295,9 @@ def test_no_aliasing(transport, mutate):
 @pytest.mark.clause("DP-NO-ALIAS")
 def test_tags_are_not_aliased(backend, transport):
     """Tags at every depth: the caller's after put, the ones a get returned, and the rows of one
-    get that names a key more than once (no two places of its result, tags or an object
-    column's dict rows, may be one object: a stage that stamps one row changes its repeat)."""
+    get that names a key more than once (no two places of its result, tags, an object column's
+    dict rows or their tensors, or a column's rows, may be one object or one memory: a stage
+    that stamps one row changes its repeat)."""
     import copy
 
     from rlconform.reference_impl.objects import ObjectColumn
@@ -331,6 +333,10 @@ def test_tags_are_not_aliased(backend, transport):
     got = transport.get(again_part, asked, select_fields=list(cols))
     why = shared_container(got, f"get{asked}")
     assert why is None, f"one get handed out a container twice: {why}"
+    # tensor memory too: an object row's tensors, a column's rows (a repeated key's row handed
+    # out as a view of the same bytes is changed by a stage that writes the other)
+    why = shared_between_rows(*got)
+    assert why is None, f"get{asked} handed out one memory to two rows: {why}"
 
 
 @pytest.mark.clause("DP-ROUNDTRIP", "WIRE-TRANSPORT-ROUNDTRIP")

@@ -90,6 +90,30 @@ def _shared_rows():
     return _with(T)()
 
 
+@mutant("repeated_key_rows_share_tensors", "get decoded each distinct key once and gave a key "
+        "named twice fresh tag dicts and object rows around the first row's tensors: the two "
+        "rows hold one memory, and a stage that writes one row's pixels writes its repeat's",
+        "transport")
+def _shared_tensors():
+    def containers_copied(x):  # dicts, lists and tuples new; the tensors in them the same
+        if isinstance(x, dict):
+            return {k: containers_copied(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(containers_copied(v) for v in x)
+        return x
+
+    class T(InMemoryDataPlane):
+        def get(self, partition, keys, select_fields=None):
+            once = list(dict.fromkeys(keys))
+            cols, tags = super().get(partition, once, select_fields)
+            idx = [once.index(k) for k in keys]
+            out = {n: ObjectColumn.adopt([containers_copied(c.rows[i]) for i in idx])
+                   if isinstance(c, ObjectColumn) else _rows_in(c, idx) for n, c in cols.items()}
+            return out, [containers_copied(tags[i]) for i in idx]
+
+    return _with(T)()
+
+
 @mutant("clear_removes_held_keys_before_raising", "clear of keys removed the keys it held and "
         "only then raised KeyError for the ones it did not: a refused clear is half done",
         "transport")
