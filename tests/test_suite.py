@@ -7,6 +7,7 @@ in a subprocess, so what is tested is what a backend author runs.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -574,6 +575,42 @@ def test_a_failure_group_is_waived_only_when_every_member_is():
     both = ExceptionGroup("two", [RuntimeError("defect A"), ValueError("defect A again")])
     found = ctx.find(both)
     assert found is not None and [x.index for x, _ in found] == [1, 1]
+
+
+def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):
+    """DP-NAMES checks each refused name and call on its own (SoftChecks): a waiver for the
+    first one (the empty partition name accepted) leaves the test failing on the others, named
+    in its message; a waiver that matches every one of them waives it."""
+    test = "test_names_the_contract_refuses_raise_a_clear_error"
+    w = _waiver_file(tmp_path, f"""
+        [[waiver]]
+        clause = "DP-NAMES"
+        category = "backend-bug"
+        reason = "the empty partition name is accepted"
+        function = "T.put"
+        input = "put('', ['k'], columns)"
+        tests = ["{test}"]
+        match = "^AssertionError: put to partition '': accepted; the contract refuses it$"
+        expires = 2099-01-01
+    """)
+    args = ("--surfaces", "transport", "-k", test, "--expectations", str(w))
+    code, report, out = run_suite(tmp_path, "mutant:refused_names_accepted", *args)
+    c = _clause(report, "DP-NAMES")
+    (t,) = c["tests"]
+    assert c["status"] == "failed" and t["outcome"] == "failed", out[-2000:]
+    assert t["failure_kind"] == "assertion", t
+    assert re.match(r"\d+ failures: AssertionError: put to partition '': accepted", t["message"])
+    for after in ("put of key '': accepted", "get from partition '': accepted"):
+        assert after in t["message"], (after, t["message"][:3000])
+    assert code != 0
+    w.write_text(w.read_text().replace(
+        "^AssertionError: put to partition '': accepted; the contract refuses it$",
+        "^AssertionError: (.+: accepted; the contract refuses it|refused calls changed the "
+        "partition: .*)$"))
+    code, report, out = run_suite(tmp_path, "mutant:refused_names_accepted", *args)
+    c = _clause(report, "DP-NAMES")
+    assert c["status"] == "waived", out[-2000:]  # its one test, every check of it waived
+    assert [t["outcome"] for t in c["tests"]] == ["waived"], c["tests"]
 
 
 STORE_AUTHOR_BACKEND = TWO_DEFECTS_BACKEND.replace(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 from torch import Tensor
@@ -11,6 +14,35 @@ from rlconform.reference_impl.bitexact import tensor_difference
 from rlconform.reference_impl.objects import ObjectColumn, row_difference, value_difference
 from rlconform.reference_impl.packed import PackedTensor
 from rlconform.reference_impl.registry import Kind, spec
+
+if sys.version_info < (3, 11):  # pragma: no cover - hypothesis brings the backport there
+    from exceptiongroup import ExceptionGroup
+
+
+class SoftChecks:
+    """The independent checks of one test, each judged on its own, so that one failure (waived
+    or not) does not hide the checks after it: `with checks.each():` keeps what its block
+    raised and goes on; `checks.done()` raises the one failure as it was, or every failure as
+    one ExceptionGroup, whose members a waiver must each match on its own (a second defect
+    beside a waived one fails the test)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failures: list[Exception] = []
+
+    @contextlib.contextmanager
+    def each(self):
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - every failure is kept, none is judged here
+            self.failures.append(exc)
+
+    def done(self) -> None:
+        if len(self.failures) == 1:
+            raise self.failures[0]
+        if self.failures:
+            raise ExceptionGroup(f"{self.what}: {len(self.failures)} checks failed",
+                                 self.failures)
 
 
 def column_difference(name: str, want: Tensor, got: Tensor) -> str | None:

@@ -104,7 +104,8 @@ def logreport(st: RlconformState, report: pytest.TestReport) -> None:
     elif report.failed:
         text = report.longreprtext or str(report.longrepr)
         outcome = "error" if report.when != "call" else "failed"
-        r["message"] = _first_error_line(text)
+        # an exception group (several failures of one test) in words, each member named
+        r["message"] = v["failure"] if v.get("group") else _first_error_line(text)
         r["kind"] = v.get("kind")
         notes = dict(report.user_properties).get(HYPOTHESIS_PROP) or []
         examples = [n.strip() for n in notes if not _BLOB.search(n)]

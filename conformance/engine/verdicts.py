@@ -295,6 +295,11 @@ def verdict(item, call, rep) -> dict | None:
         else:
             out["kind"] = failure_kind(exc)
             out["failure"] = failure_text(exc)[:2000]
+            if isinstance(exc, BaseExceptionGroup):  # pytest draws it as boxes: say it in words
+                leaves = _leaves(exc)
+                out["group"] = len(leaves)
+                out["failure"] = f"{len(leaves)} failures: " + " | ".join(
+                    failure_text(e) for e in leaves)[:4000]
     if call.when != "call" and not out:
         return None
     if ctx is not None:
