@@ -7,8 +7,8 @@ in a subprocess, so what is tested is what a backend author runs.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap
