@@ -613,6 +613,44 @@ def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):
     assert [t["outcome"] for t in c["tests"]] == ["waived"], c["tests"]
 
 
+def test_field_checks_report_every_difference():
+    """assert_columns_equal / assert_batch_equal report each differing field as its own
+    failure (one AssertionError per field in an ExceptionGroup), each the clause's own
+    assertion; a single difference stays a plain AssertionError."""
+    import torch
+
+    from rlconform.conformance.clauses._check import assert_batch_equal, assert_columns_equal
+    from rlconform.conformance.engine.verdicts import failure_kind
+    from rlconform.reference_impl.batch import Batch
+
+    if sys.version_info >= (3, 11):
+        from builtins import ExceptionGroup
+    else:  # pragma: no cover - hypothesis brings the backport
+        from exceptiongroup import ExceptionGroup
+    want = {"a": torch.zeros(2), "b": torch.ones(2), "c": torch.ones(1)}
+    got = {"a": torch.zeros(2), "b": torch.tensor([1.0, -0.0]), "d": torch.ones(1)}
+    with pytest.raises(ExceptionGroup) as group:
+        assert_columns_equal(want, got)
+    assert [str(e).split(":")[0] for e in group.value.exceptions] == [
+        "columns ['c'] missing from the result", "unexpected columns ['d'] in the result",
+        "column 'b'"]
+    assert failure_kind(group.value) == "assertion"
+    assert all(failure_kind(e) == "assertion" for e in group.value.exceptions)
+    with pytest.raises(AssertionError, match="^column 'b': 1 value differs"):
+        assert_columns_equal(want, {"a": got["a"], "b": got["b"], "c": want["c"]})
+    ids, mask = torch.arange(6).reshape(2, 3), torch.ones(2, 3, dtype=torch.int64)
+    bad_ids, bad_mask = ids.clone(), mask.clone()
+    bad_ids[1, 2], bad_mask[0, 0] = 9, 0
+    lengths = torch.tensor([3, 3])
+    with pytest.raises(ExceptionGroup) as group:
+        assert_batch_equal(
+            Batch({"input_ids": ids, "attention_mask": mask, "input_lengths": lengths}),
+            Batch({"input_ids": bad_ids, "attention_mask": bad_mask, "input_lengths": lengths}),
+            "step 1")
+    assert [str(e).split(":")[:2] for e in group.value.exceptions] == [
+        ["step 1", " field 'input_ids'"], ["step 1", " field 'attention_mask'"]]
+
+
 STORE_AUTHOR_BACKEND = TWO_DEFECTS_BACKEND.replace(
     'backend = Backend(name="two-defects", transport=TwoDefects, capabilities={"partitions"})',
     'backend = Backend.from_reference("two-defects-store", transport=TwoDefects,\n'

@@ -82,14 +82,33 @@ def assert_bit_equal(want: Tensor, got: Tensor, what: str) -> None:
     assert why is None, f"{what}: {why}"
 
 
+def fail_each(whys: list[str], what: str = "differences") -> None:
+    """Raise nothing for no difference, an AssertionError for one, and an ExceptionGroup of one
+    AssertionError per difference for several: a waiver must match each of them on its own, so
+    a waived difference hides no other (each is raised here, so its traceback shows it is the
+    clause's own assertion)."""
+    if not whys:
+        return
+    errors = []
+    for why in whys:
+        try:
+            raise AssertionError(why)
+        except AssertionError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    raise ExceptionGroup(f"{len(errors)} {what}", errors)
+
+
 def assert_columns_equal(want: dict[str, Tensor], got: dict[str, Tensor]) -> None:
+    """Every column of `got` is exactly `want`'s; every difference is reported (`fail_each`)."""
     missing = sorted(set(want) - set(got))
-    assert not missing, f"columns {missing} missing from the result"
     extra = sorted(set(got) - set(want))
-    assert not extra, f"unexpected columns {extra} in the result"
-    for name in want:
-        why = column_difference(name, want[name], got[name])
-        assert why is None, why
+    whys = [f"columns {missing} missing from the result"] if missing else []
+    whys += [f"unexpected columns {extra} in the result"] if extra else []
+    whys += [why for name in want if name in got
+             if (why := column_difference(name, want[name], got[name]))]
+    fail_each(whys, "columns differ")
 
 
 def _extent(v: PackedTensor, i: int) -> int | None:
@@ -137,26 +156,30 @@ def media_difference(name: str, want: PackedTensor, got: object) -> str | None:
     return f"field {name!r} model input: {why}" if why else None
 
 
-def batch_difference(want: Batch, got: Batch) -> str | None:
-    """Why `got` is not `want` as its consumers observe it, or None: every non-media field exactly
-    (`Batch.first_difference`), packed media by `media_difference`, no field gained."""
+def batch_differences(want: Batch, got: Batch) -> list[str]:
+    """Why `got` is not `want` as its consumers observe it, field by field (empty when it is):
+    every non-media field exactly (`Batch.first_difference`), packed media by
+    `media_difference`, no field gained."""
     media = [n for n, v in want.fields.items() if isinstance(v, PackedTensor)]
     others = [n for n in want.fields if n not in media]
-    why = want.first_difference(got, others)
-    if why:
-        return why
-    for n in media:
-        why = media_difference(n, want.fields[n], got.fields.get(n))
-        if why:
-            return why
+    missing = [n for n in others if n not in got.fields]
+    whys = [f"fields {missing} missing"] if missing else []
+    whys += [why for n in others if n in got.fields
+             if (why := want.first_difference(got, [n]))]
+    whys += [why for n in media if (why := media_difference(n, want.fields[n], got.fields.get(n)))]
     extra = sorted(set(got.fields) - set(want.fields))
-    return f"unexpected fields {extra}" if extra else None
+    return whys + ([f"unexpected fields {extra}"] if extra else [])
+
+
+def batch_difference(want: Batch, got: Batch) -> str | None:
+    """The first of `batch_differences`, or None."""
+    return next(iter(batch_differences(want, got)), None)
 
 
 def assert_batch_equal(want: Batch, got: Batch, context: str = "") -> None:
-    """`got` holds `want` as its consumers observe it (see `batch_difference`)."""
-    why = batch_difference(want, got)
-    assert why is None, f"{context}{': ' if context else ''}{why}"
+    """`got` holds `want` as its consumers observe it; every differing field is reported."""
+    prefix = f"{context}: " if context else ""
+    fail_each([prefix + why for why in batch_differences(want, got)], "fields differ")
 
 
 def keys_for(n: int, prefix: str = "uid") -> list[str]:
