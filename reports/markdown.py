@@ -234,6 +234,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             if w.get("link"):
                 reason += f" ([link]({w['link'].replace(')', '%29').replace(' ', '%20')}))"
             use = f"{w.get('matched', 0)}/{w.get('covered', 0)} tests"
+            if w.get("distinct_messages", 0) > 1:
+                use += f", {w['distinct_messages']} distinct messages"
             if w.get("unused"):
                 use += " **(matched nothing)**"
             if w.get("xpass_tests"):
@@ -243,6 +245,17 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(_table(["Clause", "#", "Category", "Scope", "Matched", "Expires",
                              "Reason"], rows))
         lines.append("")
+        several = [(c, w) for c, w in waived if w.get("distinct_messages", 0) > 1]
+        if several:
+            lines.append("Waivers that matched more than one distinct message (each should be "
+                         "one cause; the first five of each, with how often):")
+            lines.append("")
+            for c, w in several:
+                lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(
+                    f"{escape(m['message'], 160)} (x{m['count']})" for m in w["messages"][:5])
+                    + (f"; and {w['distinct_messages'] - 5} more"
+                       if w["distinct_messages"] > 5 else ""))
+            lines.append("")
 
     lines.append("### Clauses")
     rows = []

@@ -611,6 +611,12 @@ def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):
     c = _clause(report, "DP-NAMES")
     assert c["status"] == "waived", out[-2000:]  # its one test, every check of it waived
     assert [t["outcome"] for t in c["tests"]] == ["waived"], c["tests"]
+    # the report lists what the waiver took, message by message
+    (w,) = c["waivers"]
+    texts = [m["message"] for m in w["messages"]]
+    assert w["distinct_messages"] > 8 and len(texts) == min(20, w["distinct_messages"]), w
+    assert "AssertionError: put of key '': accepted; the contract refuses it" in texts, texts
+    assert all(m["count"] == 1 for m in w["messages"]), w["messages"]
 
 
 def test_field_checks_report_every_difference():

@@ -38,7 +38,8 @@ _SAME_PART = {
     "shard count": lambda r: r["provenance"]["shard"]["n"],
     "placement": lambda r: r["provenance"]["shard"].get("placement"),
 }
-_WAIVER_USE = ("covered", "matched", "xpass_tests", "first_failure", "unused", "note")
+_WAIVER_USE = ("covered", "matched", "xpass_tests", "first_failure", "messages",
+               "distinct_messages", "unused", "note")
 
 
 class MergeError(ValueError):
@@ -256,6 +257,7 @@ def _result(t: dict, clause: str) -> dict:
          "params": t.get("params") or {}, "metrics": rec.get("metrics") or [],
          "hypothesis": t.get("hypothesis"), "kind": t.get("failure_kind"),
          "waivers": rec.get("waivers") or {}, "waived_messages": rec.get("waived_messages") or {},
+         "waived_distinct": rec.get("waived_distinct") or {},
          "unimplemented": rec.get("unimplemented")}
     if t.get("gpu_peak_gib") is not None:
         r["gpu_peak_gib"] = t["gpu_peak_gib"]

@@ -51,6 +51,16 @@ def _waiver_use(waivers, tests: list[dict], ran_whole: bool) -> list[dict]:
                       if key in t.get("waived_messages", {})), None)
         if first:
             entry["first_failure"] = first
+        texts: dict[str, int] = {}
+        for t in matched:
+            for text, n in (t.get("waived_distinct") or {}).get(key, {}).items():
+                texts[text] = texts.get(text, 0) + n
+        if texts:
+            # every distinct failure it waived (most frequent first): one waiver that takes
+            # messages of two causes reads as such, and is split
+            entry["distinct_messages"] = len(texts)
+            entry["messages"] = [{"message": m, "count": n} for m, n in
+                                 sorted(texts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]]
         if w.expired:
             entry["unused"] = False  # an expired waiver waives nothing; a problem says so
         elif covered and not matched:

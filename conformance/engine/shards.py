@@ -285,4 +285,5 @@ def record_fields(r: dict) -> dict:
     rebuild its verdict: its clauses, metrics, every covering waiver's matches, and the rest
     of the result the report builder reads."""
     return {"clauses": r["clauses"], "metrics": r["metrics"], "waivers": r["waivers"],
-            "waived_messages": r["waived_messages"], "unimplemented": r["unimplemented"]}
+            "waived_messages": r["waived_messages"],
+            "waived_distinct": r.get("waived_distinct") or {}, "unimplemented": r["unimplemented"]}

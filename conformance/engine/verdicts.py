@@ -27,6 +27,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - hypothesis brings the backp
     from exceptiongroup import BaseExceptionGroup
 
 VERDICT_PROP = "rlconform_verdict"
+MAX_DISTINCT = 200  # distinct failure texts kept per waiver and test
 PARAMS_PROP = "rlconform_params"
 
 # Where a clause's own checks live: a failure raised from here (an `assert`, an assertion
@@ -151,6 +152,9 @@ class CoveringWaivers:
     waivers: list[Waiver]
     matched: dict[int, int] = field(default_factory=dict)  # waiver index -> failures matched
     first_message: dict[int, str] = field(default_factory=dict)
+    # waiver index -> each distinct failure text it matched -> how many times (the first
+    # MAX_DISTINCT texts): the report lists them, so a waiver that took two causes shows it
+    messages: dict[int, dict[str, int]] = field(default_factory=dict)
     kinds: set[str] = field(default_factory=set)
 
     def find(self, exc: BaseException) -> list[tuple[Waiver, BaseException]] | None:
@@ -171,6 +175,10 @@ class CoveringWaivers:
         for w, exc in found:
             self.matched[w.index] = self.matched.get(w.index, 0) + 1
             self.first_message.setdefault(w.index, failure_text(exc)[:500])
+            seen = self.messages.setdefault(w.index, {})
+            text = failure_text(exc)[:300]
+            if text in seen or len(seen) < MAX_DISTINCT:
+                seen[text] = seen.get(text, 0) + 1
             self.kinds.add(failure_kind(exc))
 
     @staticmethod
@@ -305,6 +313,7 @@ def verdict(item, call, rep) -> dict | None:
     if ctx is not None:
         out["waivers"] = {str(w.index): ctx.matched.get(w.index, 0) for w in ctx.waivers}
         out["waived_messages"] = {str(i): m for i, m in ctx.first_message.items()}
+        out["waived_distinct"] = {str(i): dict(m) for i, m in ctx.messages.items()}
         out["waived_kinds"] = sorted(ctx.kinds)
         if call.when == "call" and rep.passed:
             if ctx.matched:
