@@ -235,7 +235,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 reason += f" ([link]({w['link'].replace(')', '%29').replace(' ', '%20')}))"
             use = f"{w.get('matched', 0)}/{w.get('covered', 0)} tests"
             if w.get("distinct_messages", 0) > 1:
-                use += f", {w['distinct_messages']} distinct messages"
+                use += f", {w['distinct_messages']} kinds of message"
             if w.get("unused"):
                 use += " **(matched nothing)**"
             if w.get("xpass_tests"):
@@ -247,12 +247,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
         several = [(c, w) for c, w in waived if w.get("distinct_messages", 0) > 1]
         if several:
-            lines.append("Waivers that matched more than one distinct message (each should be "
-                         "one cause; the first five of each, with how often):")
+            lines.append("Waivers that matched more than one kind of message (texts alike up to "
+                         "quoted names, hex and numbers are one kind; a waiver should describe "
+                         "one cause): an example of each of the first five kinds, with how "
+                         "often it failed:")
             lines.append("")
             for c, w in several:
                 lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(
-                    f"{escape(m['message'], 160)} (x{m['count']})" for m in w["messages"][:5])
+                    f"{escape(m['message'], 160)} (x{m['count']}"
+                    + (f", {m['variants']} variants)" if m.get("variants", 1) > 1 else ")")
+                    for m in w["messages"][:5])
                     + (f"; and {w['distinct_messages'] - 5} more"
                        if w["distinct_messages"] > 5 else ""))
             lines.append("")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,6 +37,34 @@ def clause_status(tests: list[dict], waivers: list[dict] | None = None,
     return "passed"
 
 
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+_HEX = re.compile(r"\b0x[0-9a-fA-F]+")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def message_kind(text: str) -> str:
+    """A failure text with its quoted names, hex and numbers blanked: messages of one kind (one
+    check failing on other names, shapes or values) read the same; another check does not."""
+    return _NUMBER.sub("N", _HEX.sub("0x…", _QUOTED.sub("'…'", text)))
+
+
+def _message_kinds(per_test) -> list[dict]:
+    """The kinds of the failure texts a waiver matched (dicts text -> count, one per test): one
+    example of each kind (its most frequent text), the failures of that kind and how many
+    distinct texts it holds; most frequent kind first."""
+    kinds: dict[str, dict] = {}
+    for texts in per_test:
+        for text, n in texts.items():
+            k = kinds.setdefault(message_kind(text), {"texts": {}, "count": 0})
+            k["texts"][text] = k["texts"].get(text, 0) + n
+            k["count"] += n
+    out = []
+    for k in kinds.values():
+        example = min(k["texts"], key=lambda x: (-k["texts"][x], x))
+        out.append({"message": example, "count": k["count"], "variants": len(k["texts"])})
+    return sorted(out, key=lambda m: (-m["count"], m["message"]))
+
+
 def _waiver_use(waivers, tests: list[dict], ran_whole: bool) -> list[dict]:
     """Each waiver of a clause with what it did in this run: tests covered, failures matched,
     tests it names that passed (xpass); `unused` when it matched no failure at all."""
@@ -51,16 +80,12 @@ def _waiver_use(waivers, tests: list[dict], ran_whole: bool) -> list[dict]:
                       if key in t.get("waived_messages", {})), None)
         if first:
             entry["first_failure"] = first
-        texts: dict[str, int] = {}
-        for t in matched:
-            for text, n in (t.get("waived_distinct") or {}).get(key, {}).items():
-                texts[text] = texts.get(text, 0) + n
-        if texts:
-            # every distinct failure it waived (most frequent first): one waiver that takes
+        kinds = _message_kinds(t.get("waived_distinct", {}).get(key, {}) for t in matched)
+        if kinds:
+            # every kind of failure it waived (most frequent first): one waiver that takes
             # messages of two causes reads as such, and is split
-            entry["distinct_messages"] = len(texts)
-            entry["messages"] = [{"message": m, "count": n} for m, n in
-                                 sorted(texts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]]
+            entry["distinct_messages"] = len(kinds)
+            entry["messages"] = kinds[:20]
         if w.expired:
             entry["unused"] = False  # an expired waiver waives nothing; a problem says so
         elif covered and not matched:
