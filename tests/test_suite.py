@@ -21,6 +21,9 @@ from rlconform.conformance import catalogue
 from rlconform.conformance.catalogue.docs import tests_by_clause as clause_tests
 from rlconform.conformance.mutants import load_all
 
+if sys.version_info < (3, 11):  # pragma: no cover - hypothesis brings the backport
+    from exceptiongroup import ExceptionGroup
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -563,10 +566,6 @@ def test_a_failure_group_is_waived_only_when_every_member_is():
     from rlconform.conformance.engine.verdicts import CoveringWaivers
     from rlconform.conformance.engine.waivers import Waiver
 
-    if sys.version_info >= (3, 11):
-        from builtins import ExceptionGroup
-    else:  # pragma: no cover - hypothesis brings the backport
-        from exceptiongroup import ExceptionGroup
 
     w = Waiver("DP-TAGS", "backend-bug", "r", dt.date(2099, 1, 1), match="defect A", index=1)
     ctx = CoveringWaivers([w])
@@ -644,10 +643,6 @@ def test_field_checks_report_every_difference():
     from rlconform.conformance.engine.verdicts import failure_kind
     from rlconform.reference_impl.batch import Batch
 
-    if sys.version_info >= (3, 11):
-        from builtins import ExceptionGroup
-    else:  # pragma: no cover - hypothesis brings the backport
-        from exceptiongroup import ExceptionGroup
     want = {"a": torch.zeros(2), "b": torch.ones(2), "c": torch.ones(1)}
     got = {"a": torch.zeros(2), "b": torch.tensor([1.0, -0.0]), "d": torch.ones(1)}
     with pytest.raises(ExceptionGroup) as group:
