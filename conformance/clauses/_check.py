@@ -84,20 +84,14 @@ def assert_bit_equal(want: Tensor, got: Tensor, what: str) -> None:
 
 def fail_each(whys: list[str], what: str = "differences") -> None:
     """Raise nothing for no difference, an AssertionError for one, and an ExceptionGroup of one
-    AssertionError per difference for several: a waiver must match each of them on its own, so
-    a waived difference hides no other (each is raised here, so its traceback shows it is the
-    clause's own assertion)."""
-    if not whys:
-        return
-    errors = []
+    AssertionError per difference for several (`SoftChecks`): a waiver must match each of them
+    on its own, so a waived difference hides no other (each is raised here, so its traceback
+    shows it is the clause's own assertion)."""
+    checks = SoftChecks(what)
     for why in whys:
-        try:
+        with checks.each():
             raise AssertionError(why)
-        except AssertionError as exc:
-            errors.append(exc)
-    if len(errors) == 1:
-        raise errors[0]
-    raise ExceptionGroup(f"{len(errors)} {what}", errors)
+    checks.done()
 
 
 def assert_columns_equal(want: dict[str, Tensor], got: dict[str, Tensor]) -> None:

@@ -42,10 +42,20 @@ _HEX = re.compile(r"\b0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
+_LIST = re.compile(r"\[(?:(?:N|'…'|\[…\]|\(…\))(?:, )?)+\]|\((?:(?:N|'…')(?:, )?)+\)")
+
+
 def message_kind(text: str) -> str:
-    """A failure text with its quoted names, hex and numbers blanked: messages of one kind (one
-    check failing on other names, shapes or values) read the same; another check does not."""
-    return _NUMBER.sub("N", _HEX.sub("0x…", _QUOTED.sub("'…'", text)))
+    """A failure text's first line with its quoted names, hex, numbers and lists of them
+    blanked: messages of one kind (one check failing on other names, shapes, values or rows)
+    read the same; another check does not. Only the first line: what follows it is detail (the
+    store machine's shortest failing program, pytest's comparison)."""
+    line = text.split("\n", 1)[0]
+    out = _NUMBER.sub("N", _HEX.sub("0x…", _QUOTED.sub("'…'", line)))
+    prev = None
+    while prev != out:  # lists of lists, innermost first; an empty list stays `[]`
+        prev, out = out, _LIST.sub(lambda m: "[…]" if m.group(0)[0] == "[" else "(…)", out)
+    return out
 
 
 def _message_kinds(per_test) -> list[dict]:

@@ -195,6 +195,33 @@ def _loose_pattern(match: str, regex: re.Pattern) -> str | None:
     return None
 
 
+def _template_branch(match: str, clause: str) -> str | None:
+    """Why a branch of `match` takes more than one failure of the clause's own checks (None:
+    each branch names a check and a value of it): it matches two of the clause's assertion
+    templates (two different checks), or one template whose values are all left open (the same
+    check failing on another field or row). verl's `tag` branch under META-DP-SHARD matched
+    every tag check of the clause; a shard that zeroed every row's length passed under it."""
+    from rlconform.conformance.catalogue.templates import FILL, templates_by_clause
+
+    templates = templates_by_clause().get(clause, ())
+    whys = []
+    for branch in _top_alternatives(match):
+        try:
+            rx = re.compile(branch)
+        except re.error:  # a branch of a valid pattern that only compiles whole
+            continue
+        hits = [t for t in templates if rx.search(t) or rx.search(f"AssertionError: {t}")]
+        if len(hits) > 1:
+            whys.append(f"its branch {branch!r} matches {len(hits)} different checks of the "
+                        f"clause ({hits[0]!r}, {hits[1]!r}{', ...' if len(hits) > 2 else ''}): "
+                        "name the one that fails")
+        elif hits and FILL in hits[0]:
+            whys.append(f"its branch {branch!r} matches the clause's own message {hits[0]!r} "
+                        f"whatever its values ({FILL}): name the field, row or value that "
+                        "fails, so that the same check failing on another one still fails")
+    return "; ".join(whys) or None
+
+
 def _parse_waiver(entry: dict, where: str, known: set[str], index: int) -> Waiver:
     """One `[[waiver]]` table as a Waiver; ValueError says what is wrong with it."""
     if not isinstance(entry, dict):
@@ -247,6 +274,9 @@ def _parse_waiver(entry: dict, where: str, known: set[str], index: int) -> Waive
             raise ValueError(f"{where} ({clause}) match {match!r} {loose}: name the message "
                              "of the failure it waives, so that another failure of the same "
                              "type still fails")
+        generic = _template_branch(match, clause)
+        if generic:
+            raise ValueError(f"{where} ({clause}) match {match!r}: {generic}")
     optional = {}
     for key in OPTIONAL_KEYS:
         if key in entry:
