@@ -678,6 +678,11 @@ def test_waived_messages_are_counted_by_kind():
     rows = "AssertionError: field 'p' is missing; rows [0, 1, 3] have media"
     assert message_kind(rows) == message_kind(rows.replace("[0, 1, 3]", "[2]") + "\nprogram")
     assert message_kind(rows) != message_kind(rows.replace("[0, 1, 3]", "[]"))
+    # a text kept to its first 300 characters, cut inside a long name, is of its whole kind
+    whole = "AssertionError: get raised ValueError; field 'f' is not stored for keys [] of 'p'"
+    cut = "AssertionError: get raised ValueError; field 'f" + "x" * 280
+    (kind,) = _message_kinds([{whole: 2, cut: 1}])
+    assert kind == {"message": whole, "count": 3, "variants": 2}
     kinds = _message_kinds([{a: 2, other: 1}, {b: 1}])
     assert kinds == [{"message": a, "count": 3, "variants": 2},
                      {"message": other, "count": 1, "variants": 1}]

@@ -38,6 +38,9 @@ def clause_status(tests: list[dict], waivers: list[dict] | None = None,
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+# a quoted name cut off by the end of a kept text (waived texts are kept to 300 characters)
+_CUT = re.compile(r"(?<![\w…])'[^'\n]{16,}$")
+_CUT_MARK = "'…⋯"  # what a cut-off name reads as: the kind is a prefix of the whole text's
 _HEX = re.compile(r"\b0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
@@ -51,7 +54,7 @@ def message_kind(text: str) -> str:
     read the same; another check does not. Only the first line: what follows it is detail (the
     store machine's shortest failing program, pytest's comparison)."""
     line = text.split("\n", 1)[0]
-    out = _NUMBER.sub("N", _HEX.sub("0x…", _QUOTED.sub("'…'", line)))
+    out = _NUMBER.sub("N", _HEX.sub("0x…", _CUT.sub(_CUT_MARK, _QUOTED.sub("'…'", line))))
     prev = None
     while prev != out:  # lists of lists, innermost first; an empty list stays `[]`
         prev, out = out, _LIST.sub(lambda m: "[…]" if m.group(0)[0] == "[" else "(…)", out)
@@ -68,6 +71,15 @@ def _message_kinds(per_test) -> list[dict]:
             k = kinds.setdefault(message_kind(text), {"texts": {}, "count": 0})
             k["texts"][text] = k["texts"].get(text, 0) + n
             k["count"] += n
+    # a text cut off inside a long name is of the kind of a whole text it begins
+    for kind in [k for k in kinds if k.endswith(_CUT_MARK)]:
+        stem = kind[:-len(_CUT_MARK)] + "'…'"
+        whole = next((k for k in kinds if k != kind and k.startswith(stem)), None)
+        if whole is not None:
+            cut = kinds.pop(kind)
+            for text, n in cut["texts"].items():
+                kinds[whole]["texts"][text] = kinds[whole]["texts"].get(text, 0) + n
+            kinds[whole]["count"] += cut["count"]
     out = []
     for k in kinds.values():
         example = min(k["texts"], key=lambda x: (-k["texts"][x], x))
