@@ -247,10 +247,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
         several = [(c, w) for c, w in waived if w.get("distinct_messages", 0) > 1]
         if several:
-            lines.append("Waivers that matched more than one kind of message (texts alike up to "
-                         "quoted names, hex and numbers are one kind; a waiver should describe "
-                         "one cause): an example of each of the first five kinds, with how "
-                         "often it failed:")
+            lines.append("Waivers that matched more than one kind of message (first lines alike "
+                         "up to names, hex, numbers and lists are one kind; a waiver should "
+                         "describe one cause, which may show in several checks): an example of "
+                         "each of the first five kinds, with how often it failed:")
             lines.append("")
             for c, w in several:
                 lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(

@@ -666,7 +666,7 @@ def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):
 
 
 def test_waived_messages_are_counted_by_kind():
-    """Texts alike up to quoted names, hex and numbers are one kind; another check is not."""
+    """Texts alike up to names, hex, numbers and lists are one kind; another check is not."""
     from rlconform.conformance.engine.report_builder import _message_kinds, message_kind
 
     a = "AssertionError: column 'x' row 1: expected 2.0 (0x40000000), got 1.0 (0x3f800000)"
@@ -678,6 +678,10 @@ def test_waived_messages_are_counted_by_kind():
     rows = "AssertionError: field 'p' is missing; rows [0, 1, 3] have media"
     assert message_kind(rows) == message_kind(rows.replace("[0, 1, 3]", "[2]") + "\nprogram")
     assert message_kind(rows) != message_kind(rows.replace("[0, 1, 3]", "[]"))
+    # names without quotes (a family and form, a dtype) are values too; plain words are not
+    union = "AssertionError: {}: union with shared objects was ok, with equal copies refused"
+    assert message_kind(union.format("gemma3-mm_train_inputs")) == \
+        message_kind(union.format("llava_next-packed")) != message_kind(union.format("rows"))
     # a text kept to its first 300 characters, cut inside a long name, is of its whole kind
     whole = "AssertionError: get raised ValueError; field 'f' is not stored for keys [] of 'p'"
     cut = "AssertionError: get raised ValueError; field 'f" + "x" * 280

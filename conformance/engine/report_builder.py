@@ -45,16 +45,22 @@ _HEX = re.compile(r"\b0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
+# a name written without quotes (a family, a test case, a dtype, a config point): a word with a
+# digit, `_` or `-` in it; plain words are the check's own wording and stay
+_NAME = re.compile(r"(?<![\w…])[A-Za-z]\w*(?:-\w+)*")
 _LIST = re.compile(r"\[(?:(?:N|'…'|\[…\]|\(…\))(?:, )?)+\]|\((?:(?:N|'…')(?:, )?)+\)")
 
 
 def message_kind(text: str) -> str:
-    """A failure text's first line with its quoted names, hex, numbers and lists of them
-    blanked: messages of one kind (one check failing on other names, shapes, values or rows)
+    """A failure text's first line with its quoted names, names written without quotes (words
+    with a digit, `_` or `-`: `gemma3-mm_train_inputs`, `torch.bfloat16`), hex, numbers and
+    lists of them blanked: messages of one kind (one check failing on other names, shapes, values or rows)
     read the same; another check does not. Only the first line: what follows it is detail (the
     store machine's shortest failing program, pytest's comparison)."""
     line = text.split("\n", 1)[0]
-    out = _NUMBER.sub("N", _HEX.sub("0x…", _CUT.sub(_CUT_MARK, _QUOTED.sub("'…'", line))))
+    out = _HEX.sub("0x…", _CUT.sub(_CUT_MARK, _QUOTED.sub("'…'", line)))
+    out = _NUMBER.sub("N", _NAME.sub(lambda m: "‹…›" if re.search(r"[\d_-]", m.group(0))
+                                     else m.group(0), out))
     prev = None
     while prev != out:  # lists of lists, innermost first; an empty list stays `[]`
         prev, out = out, _LIST.sub(lambda m: "[…]" if m.group(0)[0] == "[" else "(…)", out)
