@@ -155,6 +155,8 @@ def _to_payload(name: str, col, n: int) -> tuple[tuple, dict]:
 
     if not isinstance(col, torch.Tensor):
         raise TypeError(f"column {name!r} is a {type(col).__name__}; columns are tensors")
+    if col.dim() == 0:  # before size(0), which raises IndexError on it
+        raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
     if col.size(0) != n:
         raise ValueError(f"column {name!r} has {col.size(0)} rows for {n} keys")
     if col.is_nested:
@@ -169,8 +171,6 @@ def _to_payload(name: str, col, n: int) -> tuple[tuple, dict]:
             values = torch.cat(rows) if rows else values[:0]
             offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
         return layout, {"values": _numpy(values), "offsets": offsets.cpu().numpy()}
-    if col.dim() == 0:
-        raise ValueError(f"column {name!r} is 0-d; a column needs one row per key")
     return (DENSE, str(col.dtype), tuple(col.shape[1:])), {"values": _numpy(col)}
 
 
