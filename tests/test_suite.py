@@ -687,6 +687,12 @@ def test_waived_messages_are_counted_by_kind():
     cut = "AssertionError: get raised ValueError; field 'f" + "x" * 280
     (kind,) = _message_kinds([{whole: 2, cut: 1}])
     assert kind == {"message": whole, "count": 3, "variants": 2}
+    # ... and so is one cut anywhere else: a soft check's joined failures, kept to 300 characters
+    part = "qwen2_vl {} after pad_to: model inputs ['pixel_values'], the processor gives ['x', 'y']"
+    joined = ["AssertionError: " + "; ".join(part.format(f) for f in forms)
+              for forms in (["mm_train_inputs"] * 5, ["multi_modal_inputs"] * 5)]
+    kinds = _message_kinds([{t[:300]: 1 for t in joined}, {joined[0][:290]: 1}])
+    assert [k["count"] for k in kinds] == [2, 1], kinds  # the one of 290 was not cut: its own
     kinds = _message_kinds([{a: 2, other: 1}, {b: 1}])
     assert kinds == [{"message": a, "count": 3, "variants": 2},
                      {"message": other, "count": 1, "variants": 1}]

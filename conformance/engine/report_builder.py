@@ -67,25 +67,34 @@ def message_kind(text: str) -> str:
     return out
 
 
+KEPT = 300  # how much of each waived failure text a run keeps (verdicts.CoveringWaivers)
+
+
 def _message_kinds(per_test) -> list[dict]:
     """The kinds of the failure texts a waiver matched (dicts text -> count, one per test): one
     example of each kind (its most frequent text), the failures of that kind and how many
-    distinct texts it holds; most frequent kind first."""
+    distinct texts it holds; most frequent kind first. A text kept at its limit with no line
+    break may be cut anywhere in its first line: its kind, without the token the cut fell in,
+    joins a kind that begins with it (a longer message of the same check)."""
     kinds: dict[str, dict] = {}
+    cut: dict[str, dict] = {}
     for texts in per_test:
         for text, n in texts.items():
-            k = kinds.setdefault(message_kind(text), {"texts": {}, "count": 0})
+            kind = message_kind(text)
+            into = kinds
+            if len(text) >= KEPT and "\n" not in text:
+                kind, into = re.sub(r"\S*$", "", kind), cut
+            k = into.setdefault(kind, {"texts": {}, "count": 0})
             k["texts"][text] = k["texts"].get(text, 0) + n
             k["count"] += n
-    # a text cut off inside a long name is of the kind of a whole text it begins
-    for kind in [k for k in kinds if k.endswith(_CUT_MARK)]:
-        stem = kind[:-len(_CUT_MARK)] + "'…'"
-        whole = next((k for k in kinds if k != kind and k.startswith(stem)), None)
-        if whole is not None:
-            cut = kinds.pop(kind)
-            for text, n in cut["texts"].items():
-                kinds[whole]["texts"][text] = kinds[whole]["texts"].get(text, 0) + n
-            kinds[whole]["count"] += cut["count"]
+    for stem in sorted(cut, key=len):  # shortest first: it may join a longer cut one
+        group = cut.pop(stem)
+        into = next((kinds[k] for k in kinds if k.startswith(stem)), None) or next(
+            (cut[k] for k in sorted(cut, key=len) if k.startswith(stem)), None) or \
+            kinds.setdefault(stem, {"texts": {}, "count": 0})
+        for text, n in group["texts"].items():
+            into["texts"][text] = into["texts"].get(text, 0) + n
+        into["count"] += group["count"]
     out = []
     for k in kinds.values():
         example = min(k["texts"], key=lambda x: (-k["texts"][x], x))
