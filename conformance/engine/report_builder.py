@@ -38,13 +38,12 @@ def clause_status(tests: list[dict], waivers: list[dict] | None = None,
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
-# a quoted name cut off by the end of a kept text (waived texts are kept to 300 characters)
+# a quoted name cut off by the end of a kept text (KEPT), spaces and all: it becomes one token,
+# the one _message_kinds drops from a cut text's kind
 _CUT = re.compile(r"(?<![\w…])'[^'\n]{16,}$")
-_CUT_MARK = "'…⋯"  # what a cut-off name reads as: the kind is a prefix of the whole text's
+_CUT_MARK = "'…⋯"
 _HEX = re.compile(r"\b0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-
-
 # a name written without quotes (a family, a test case, a dtype, a config point): a word with a
 # digit, `_` or `-` in it; plain words are the check's own wording and stay
 _NAME = re.compile(r"(?<![\w…])[A-Za-z]\w*(?:-\w+)*")
@@ -54,9 +53,9 @@ _LIST = re.compile(r"\[(?:(?:N|'…'|\[…\]|\(…\))(?:, )?)+\]|\((?:(?:N|'…'
 def message_kind(text: str) -> str:
     """A failure text's first line with its quoted names, names written without quotes (words
     with a digit, `_` or `-`: `gemma3-mm_train_inputs`, `torch.bfloat16`), hex, numbers and
-    lists of them blanked: messages of one kind (one check failing on other names, shapes, values or rows)
-    read the same; another check does not. Only the first line: what follows it is detail (the
-    store machine's shortest failing program, pytest's comparison)."""
+    lists of them blanked: messages of one kind (one check failing on other names, shapes,
+    values or rows) read the same; another check does not. Only the first line: what follows
+    it is detail (the store machine's shortest failing program, pytest's comparison)."""
     line = text.split("\n", 1)[0]
     out = _HEX.sub("0x…", _CUT.sub(_CUT_MARK, _QUOTED.sub("'…'", line)))
     out = _NUMBER.sub("N", _NAME.sub(lambda m: "‹…›" if re.search(r"[\d_-]", m.group(0))
@@ -67,7 +66,9 @@ def message_kind(text: str) -> str:
     return out
 
 
-KEPT = 300  # how much of each waived failure text a run keeps (verdicts.CoveringWaivers)
+# how much of each waived failure text a run keeps: the `[:300]` of verdicts.CoveringWaivers
+# (a literal there: verdicts.py is in every report's content fingerprint)
+KEPT = 300
 
 
 def _message_kinds(per_test) -> list[dict]:
