@@ -413,9 +413,16 @@ TRL_POINTS = {  # point -> the GRPOConfig options it maps to (the ones that diff
     "grad-clip": dict(max_grad_norm=0.05),
     "grad-clip-seq-mean": dict(max_grad_norm=0.05, loss_type="grpo"),
     "epochs-2": dict(num_iterations=2),
+    "dual-clip-seq-mean": dict(epsilon_high=0.28, delta=1.8, loss_type="grpo"),
+    "gspo-seq-mean": dict(importance_sampling_level="sequence", loss_type="grpo"),
+    "kl-k3-ratio-weighted-seq-mean": dict(beta=0.45, use_bias_correction_kl=True,
+                                          loss_type="grpo"),
+    "constant-normalizer-16": dict(loss_type="dr_grpo", max_completion_length=16),
+    "entropy-bonus-seq-mean": dict(entropy_coef=0.01, loss_type="grpo"),
 }
 TRL_UNDECLARED = {"kl-k1": "k3 only", "kl-k2": "k3 only", "truncated-is": "vLLM",
-                  "mini-batches-2": "shuffle_sequence_dict"}
+                  "truncated-is-seq-mean": "vLLM", "mini-batches-2": "shuffle_sequence_dict",
+                  "mini-batches-2-entropy-bonus": "shuffle_sequence_dict"}
 
 
 def test_every_grid_point_is_mapped_or_refused_with_its_reason():

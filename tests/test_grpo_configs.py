@@ -360,3 +360,33 @@ def test_core_mutant_changes_only_its_axis(text_batch, mutant):
         else:
             assert not _same(want, got), f"{mutant} does not change point {name} of its axis " \
                                          f"({point})"
+
+
+@pytest.mark.parametrize("mutant", sorted({**OBJECTIVE_MUTANTS, **CORE_MUTANTS}))
+def test_every_axis_holds_two_grid_points(mutant):
+    """A mutant that lives on one grid point is killed by one case: a second point of its axis
+    (another value, or the option under another aggregation) shows the kill is not an accident
+    of that point's numbers."""
+    on, _ = {**OBJECTIVE_MUTANTS, **CORE_MUTANTS}[mutant]
+    points = [p for p, c in GRID.items() if on(c)]
+    assert len(points) >= 2, f"{mutant}'s axis holds one grid point: {points}"
+
+
+def test_every_axis_mutant_dies_at_two_grid_points(tmp_path):
+    """The kill matrix, every test of each claimed clause (no stop at the first kill): each axis
+    mutant fails cases of at least two grid points of its axis by assertion."""
+    import re
+
+    from rlconform.conformance.engine.kill_matrix import kill_matrix
+
+    mutants = {**OBJECTIVE_MUTANTS, **CORE_MUTANTS}
+    matrix = kill_matrix(tmp_path, jobs=2, only=sorted(mutants), every_test=True)
+    thin = {}
+    for row in matrix["mutants"]:
+        on, _ = mutants[row["name"]]
+        points = {m.group(1) for t, v in row["failed_tests"].items() if v["kind"] == "assertion"
+                  for m in [re.search(r"\[[a-z0-9_]+-([a-z0-9-]+)\]$", t)] if m}
+        assert all(on(GRID[p]) for p in points), (row["name"], points)
+        if len(points) < 2:
+            thin[row["name"]] = sorted(points)
+    assert not thin, f"axis mutants killed at fewer than two grid points: {thin}"

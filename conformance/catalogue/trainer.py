@@ -111,8 +111,13 @@ GRID: dict[str, LossConfig] = {
     "clip-higher": LossConfig(clip_low=0.2, clip_high=0.28),
     # dual clip (Ye et al. 2020; TRL `delta` from INTELLECT-2, verl `clip_ratio_c`), > 1 + eps
     "dual-clip": LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.8),
+    "dual-clip-seq-mean": LossConfig(clip_low=0.2, clip_high=0.28, dual_clip=1.8,
+                                     aggregation="seq-mean-token-mean"),
     # GSPO (Zheng et al. 2025) with its paper's clip range 3e-4 / 4e-4
     "gspo": LossConfig(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+    # ... and as its paper writes the objective, a mean over the group's sequences
+    "gspo-seq-mean": LossConfig(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
+                                aggregation="seq-mean-token-mean"),
     # KL(policy || reference) in the loss, each estimator (Schulman 2020; verl kl_loss_type)
     "kl-k1": LossConfig(kl_coef=0.1, kl_estimator="k1"),
     "kl-k2": LossConfig(kl_coef=0.1, kl_estimator="k2"),
@@ -124,15 +129,25 @@ GRID: dict[str, LossConfig] = {
     # A token's whole logit gradient is ratio * (coef * d - A): 0.45 keeps |coef * d - A| >=
     # 0.05 over KL_OFFSETS x ADVANTAGES (1.0 cancels it exactly at d = A = 1)
     "kl-k3-ratio-weighted": LossConfig(kl_coef=0.45, kl_estimator="k3", kl_ratio_weighted=True),
+    "kl-k3-ratio-weighted-seq-mean": LossConfig(kl_coef=0.45, kl_estimator="k3",
+                                                kl_ratio_weighted=True,
+                                                aggregation="seq-mean-token-mean"),
     # aggregations: GRPO's sequence mean of token means (TRL `grpo`), sequence mean of token
     # sums (TRL `luspo`), Dr. GRPO's constant normaliser (TRL `dr_grpo`, L = 8 > any completion)
     "seq-mean-token-mean": LossConfig(aggregation="seq-mean-token-mean"),
     "seq-mean-token-sum": LossConfig(aggregation="seq-mean-token-sum"),
     "constant-normalizer": LossConfig(aggregation="constant", constant_normalizer=8.0),
+    # ... at twice that (TRL's max_completion_length of a longer run): the normaliser is the
+    # configured constant whatever its value, not a width that happens to equal it
+    "constant-normalizer-16": LossConfig(aggregation="constant", constant_normalizer=16.0),
     # truncated importance sampling on exp(prev - gen) (NeMo-RL, verl, TRL's vLLM correction)
     "truncated-is": LossConfig(is_cap=2.0),
     # TRL's entropy bonus
     "entropy-bonus": LossConfig(entropy_coef=0.01),
+    # the options above composed with GRPO's sequence mean of token means (each composes with
+    # any aggregation): every option's mutant must die at two points of its axis, not at one
+    "truncated-is-seq-mean": LossConfig(is_cap=2.0, aggregation="seq-mean-token-mean"),
+    "entropy-bonus-seq-mean": LossConfig(entropy_coef=0.01, aggregation="seq-mean-token-mean"),
     # gradient-norm clipping below the step's norm, under the default aggregation and under
     # GRPO's sequence mean of token means (clipping composes with any loss; a clip mutant must
     # die at both points, not at one)
@@ -142,6 +157,8 @@ GRID: dict[str, LossConfig] = {
     # mini-batches: verl ppo_mini_batch_size), where the second step's ratio is not 1
     "epochs-2": LossConfig(epochs=2),
     "mini-batches-2": LossConfig(mini_batches=2),
+    # ... with an entropy bonus (verl's entropy_coeff under ppo_mini_batch_size)
+    "mini-batches-2-entropy-bonus": LossConfig(mini_batches=2, entropy_coef=0.01),
 }
 # which points each clause runs (every one where its option can change what the clause sees)
 CLOSED_FORM_POINTS = tuple(p for p, c in GRID.items()

@@ -1132,7 +1132,7 @@ def _later_step_regime(backend, transport, codec, meta_cls, device, dtype, recor
             model.load_state_dict(st.optimizer[s].weights)
             with torch.no_grad():
                 terms = _recomputed_rows(model, fam, batch, prompts, images, st, rows, dtype,
-                                         device, False)
+                                         device, bool(cfg.entropy_coef))
             change = max([change] + [float((t.logp.double() - base[i]).abs().max())
                                      for i, t in zip(rows, terms) if t.logp.numel()])
             want_log = []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rlconform.conformance import catalogue
 from rlconform.conformance.engine.provenance import provenance
+from rlconform.conformance.engine.verdicts import KEPT  # the kept length of a waived text
 from rlconform.reports.model import SCHEMA_VERSION
 
 
@@ -66,9 +67,6 @@ def message_kind(text: str) -> str:
     return out
 
 
-# how much of each waived failure text a run keeps: the `[:300]` of verdicts.CoveringWaivers
-# (a literal there: verdicts.py is in every report's content fingerprint)
-KEPT = 300
 
 
 def _message_kinds(per_test) -> list[dict]:

@@ -28,6 +28,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - hypothesis brings the backp
 
 VERDICT_PROP = "rlconform_verdict"
 MAX_DISTINCT = 200  # distinct failure texts kept per waiver and test
+KEPT = 300  # characters kept of each waived failure text (the report reads its kinds)
 PARAMS_PROP = "rlconform_params"
 
 # Where a clause's own checks live: a failure raised from here (an `assert`, an assertion
@@ -176,7 +177,7 @@ class CoveringWaivers:
             self.matched[w.index] = self.matched.get(w.index, 0) + 1
             self.first_message.setdefault(w.index, failure_text(exc)[:500])
             seen = self.messages.setdefault(w.index, {})
-            text = failure_text(exc)[:300]
+            text = failure_text(exc)[:KEPT]
             if text in seen or len(seen) < MAX_DISTINCT:
                 seen[text] = seen.get(text, 0) + 1
             self.kinds.add(failure_kind(exc))
