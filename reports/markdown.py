@@ -236,6 +236,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             use = f"{w.get('matched', 0)}/{w.get('covered', 0)} tests"
             if w.get("distinct_messages", 0) > 1:
                 use += f", {w['distinct_messages']} kinds of message"
+            if len(w.get("checks") or ()) > 1:
+                use += f", **{len(w['checks'])} checks**"
             if w.get("unused"):
                 use += " **(matched nothing)**"
             if w.get("xpass_tests"):
@@ -259,6 +261,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     for m in w["messages"][:5])
                     + (f"; and {w['distinct_messages'] - 5} more"
                        if w["distinct_messages"] > 5 else ""))
+            lines.append("")
+        checks = [(c, w) for c, w in waived if len(w.get("checks") or ()) > 1]
+        if checks:
+            lines.append("Waivers whose failures were raised by more than one check (the clause "
+                         "line that asserted, or that called the backend when it raised, and the "
+                         "exception type): one cause can fail several checks, and a second cause "
+                         "hides nowhere else, so each should say why its checks share a cause, or "
+                         "be split:")
+            lines.append("")
+            for c, w in checks:
+                lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(
+                    f"`{escape(k['site'], 80)}` (x{k['count']})" for k in w["checks"][:8])
+                    + (f"; and {len(w['checks']) - 8} more" if len(w["checks"]) > 8 else ""))
             lines.append("")
 
     lines.append("### Clauses")

@@ -663,6 +663,10 @@ def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):
     assert "AssertionError: put of key '': accepted; the contract refuses it" in texts, texts
     key = next(m for m in w["messages"] if m["message"].startswith("AssertionError: put of key"))
     assert key["count"] == key["variants"] > 1, key
+    # ... and the checks that raised them: clause lines (not the helpers that raise for them)
+    assert w["checks"] and all(re.fullmatch(r"test_\w+\.py:\d+ AssertionError", k["site"])
+                               for k in w["checks"]), w["checks"]
+    assert sum(k["count"] for k in w["checks"]) >= sum(m["count"] for m in w["messages"])
 
 
 def test_waived_messages_are_counted_by_kind():
@@ -819,3 +823,25 @@ def test_a_backend_from_the_reference_lends_the_surfaces_it_did_not_replace():
     assert reference.lent == () and "lent_surfaces" not in reference.describe()
     plain = Backend(name="plain-store", transport=InMemoryDataPlane)
     assert plain.lent == () and plain.surfaces == ("transport",)
+
+
+def test_a_waiver_is_not_matched_in_the_reproduction_of_a_failure():
+    """The store machine ends a failure with its runnable sequence, which repeats earlier steps
+    and the messages of the waived ones: a waiver matched there took a new defect for the one it
+    names (NeMo-RL's DP-STORE-MODEL waiver of an accepted get took `get raised KeyError`)."""
+    import datetime as dt
+
+    from rlconform.conformance.engine.verdicts import CoveringWaivers
+    from rlconform.conformance.engine.waivers import Waiver
+
+    w = Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1),
+               match="get was accepted", index=1)
+    ctx = CoveringWaivers([w])
+    snippet = "\nshortest failing sequence (2 calls), runnable:\n    t.get('p', [], ['f'])" \
+              "  # waived: get was accepted; the contract refuses it"
+    new = AssertionError("get raised KeyError: 'p%x'" + snippet)
+    new.reproduction = snippet
+    assert ctx.find(new) is None
+    old = AssertionError("get was accepted; the contract refuses it" + snippet)
+    old.reproduction = snippet
+    assert ctx.find(old) is not None

@@ -170,8 +170,11 @@ class StoreMachine(RuleBasedStateMachine):
         if check:
             lines += check.splitlines()
         calls = len(self.log) + 1
-        failure = AssertionError(f"{why}\nshortest failing sequence ({calls} calls), "
-                                 "runnable:\n" + "\n".join("    " + ln for ln in lines))
+        snippet = (f"\nshortest failing sequence ({calls} calls), runnable:\n"
+                   + "\n".join("    " + ln for ln in lines))
+        failure = AssertionError(why + snippet)
+        # waivers match `why`, not the sequence: it names earlier waived steps' messages too
+        failure.reproduction = snippet
         failure.call = src or call  # what the snippet runs when a waiver takes this failure
         raise failure
 
@@ -701,8 +704,9 @@ def _replay_waiver_inputs(machine: type[StoreMachine]) -> None:
         try:
             m.replay(calls)
         except AssertionError as failure:
-            raise AssertionError(f"replaying the input of {label} ({source}): {failure}") \
-                from None
+            replayed = AssertionError(f"replaying the input of {label} ({source}): {failure}")
+            replayed.reproduction = getattr(failure, "reproduction", None)
+            raise replayed from None
         finally:
             m.teardown()
 

@@ -39,7 +39,7 @@ _SAME_PART = {
     "placement": lambda r: r["provenance"]["shard"].get("placement"),
 }
 _WAIVER_USE = ("covered", "matched", "xpass_tests", "first_failure", "messages",
-               "distinct_messages", "unused", "note")
+               "distinct_messages", "checks", "unused", "note")
 
 
 class MergeError(ValueError):
@@ -258,6 +258,7 @@ def _result(t: dict, clause: str) -> dict:
          "hypothesis": t.get("hypothesis"), "kind": t.get("failure_kind"),
          "waivers": rec.get("waivers") or {}, "waived_messages": rec.get("waived_messages") or {},
          "waived_distinct": rec.get("waived_distinct") or {},
+         "waived_sites": rec.get("waived_sites") or {},
          "unimplemented": rec.get("unimplemented")}
     if t.get("gpu_peak_gib") is not None:
         r["gpu_peak_gib"] = t["gpu_peak_gib"]

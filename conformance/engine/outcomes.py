@@ -74,7 +74,7 @@ def logreport(st: RlconformState, report: pytest.TestReport) -> None:
         "nodeid": nodeid, "outcome": "passed", "duration_s": 0.0, "message": "",
         "clauses": clauses, "params": props.get(verdicts.PARAMS_PROP) or {}, "metrics": [],
         "hypothesis": None, "kind": None, "waivers": {}, "waived_messages": {},
-        "waived_distinct": {},
+        "waived_distinct": {}, "waived_sites": {},
         "unimplemented": None,
     })
     r["duration_s"] += report.duration
@@ -87,10 +87,11 @@ def logreport(st: RlconformState, report: pytest.TestReport) -> None:
         r["waivers"][index] = max(n, r["waivers"].get(index, 0))
     for index, msg in (v.get("waived_messages") or {}).items():
         r["waived_messages"].setdefault(index, msg)
-    for index, texts in (v.get("waived_distinct") or {}).items():
-        seen = r["waived_distinct"].setdefault(index, {})
-        for text, n in texts.items():  # each phase reports the test's running counts
-            seen[text] = max(n, seen.get(text, 0))
+    for key in ("waived_distinct", "waived_sites"):
+        for index, texts in (v.get(key) or {}).items():
+            seen = r[key].setdefault(index, {})
+            for text, n in texts.items():  # each phase reports the test's running counts
+                seen[text] = max(n, seen.get(text, 0))
     if v.get("unimplemented"):
         r["unimplemented"] = v["unimplemented"]
     wasxfail = getattr(report, "wasxfail", None)

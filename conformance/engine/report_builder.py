@@ -122,6 +122,15 @@ def _waiver_use(waivers, tests: list[dict], ran_whole: bool) -> list[dict]:
             # messages of two causes reads as such, and is split
             entry["distinct_messages"] = len(kinds)
             entry["messages"] = kinds[:20]
+        sites: dict[str, int] = {}
+        for t in matched:
+            for site, n in t.get("waived_sites", {}).get(key, {}).items():
+                sites[site] = sites.get(site, 0) + n
+        if sites:
+            # the checks its failures were raised by (verdicts.check_site): one cause may fail
+            # several checks, but a waiver over two checks is where a second cause hides
+            entry["checks"] = [{"site": s, "count": n} for s, n in
+                               sorted(sites.items(), key=lambda x: (-x[1], x[0]))]
         if w.expired:
             entry["unused"] = False  # an expired waiver waives nothing; a problem says so
         elif covered and not matched:

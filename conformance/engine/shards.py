@@ -286,4 +286,5 @@ def record_fields(r: dict) -> dict:
     of the result the report builder reads."""
     return {"clauses": r["clauses"], "metrics": r["metrics"], "waivers": r["waivers"],
             "waived_messages": r["waived_messages"],
-            "waived_distinct": r.get("waived_distinct") or {}, "unimplemented": r["unimplemented"]}
+            "waived_distinct": r.get("waived_distinct") or {},
+            "waived_sites": r.get("waived_sites") or {}, "unimplemented": r["unimplemented"]}

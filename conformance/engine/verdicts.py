@@ -92,6 +92,35 @@ def failure_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def matched_text(exc: BaseException) -> str:
+    """What a waiver's `match` is searched in: `failure_text` without the failure's
+    `reproduction` (the text it ends with that says how to reproduce it, such as the store
+    machine's runnable sequence). A reproduction repeats earlier steps, waived ones included
+    with their messages, so a waiver matched there would take a new failure for an old one."""
+    if isinstance(exc, BaseExceptionGroup):
+        return " | ".join(matched_text(e) for e in exc.exceptions)
+    text = failure_text(exc)
+    tail = getattr(exc, "reproduction", None)
+    return text[:-len(tail)] if isinstance(tail, str) and tail and text.endswith(tail) else text
+
+
+# clause helpers that raise what their caller composed (`_check.fail_each`, `SoftChecks`, the
+# store machine's `_fail`): the check is the caller's line, not theirs
+_RAISING_HELPERS = frozenset({"fail_each", "done", "each", "_fail"})
+
+
+def check_site(exc: BaseException) -> str:
+    """Which check raised `exc`: `file:line` of the innermost frame of the clause package that
+    is not a raising helper (an assertion's line, or the clause's call into the backend that
+    raised), with the exception's type. Failures of one site and type are one check failing on
+    other values; a waiver that matches failures of two sites takes two checks."""
+    site = "outside the clauses"
+    for f in traceback.extract_tb(exc.__traceback__):
+        if _in_clauses(str(Path(f.filename).resolve())) and f.name not in _RAISING_HELPERS:
+            site = f"{Path(f.filename).name}:{f.lineno}"
+    return f"{site} {type(exc).__name__}"
+
+
 def raised_where(exc: BaseException) -> str:
     """`file:line in function` of the innermost frame, for messages."""
     tb = traceback.extract_tb(exc.__traceback__)
@@ -156,6 +185,8 @@ class CoveringWaivers:
     # waiver index -> each distinct failure text it matched -> how many times (the first
     # MAX_DISTINCT texts): the report lists them, so a waiver that took two causes shows it
     messages: dict[int, dict[str, int]] = field(default_factory=dict)
+    # waiver index -> the check (check_site) of each failure it matched -> how many
+    sites: dict[int, dict[str, int]] = field(default_factory=dict)
     kinds: set[str] = field(default_factory=set)
 
     def find(self, exc: BaseException) -> list[tuple[Waiver, BaseException]] | None:
@@ -165,7 +196,7 @@ class CoveringWaivers:
             return None  # never waivable: the run reports it as an error
         found = []
         for leaf in _leaves(exc):
-            text = failure_text(leaf)
+            text = matched_text(leaf)
             w = next((w for w in self.waivers if w.matches(text)), None)
             if w is None:
                 return None
@@ -180,6 +211,9 @@ class CoveringWaivers:
             text = failure_text(exc)[:KEPT]
             if text in seen or len(seen) < MAX_DISTINCT:
                 seen[text] = seen.get(text, 0) + 1
+            sites = self.sites.setdefault(w.index, {})
+            site = check_site(exc)
+            sites[site] = sites.get(site, 0) + 1
             self.kinds.add(failure_kind(exc))
 
     @staticmethod
@@ -315,6 +349,7 @@ def verdict(item, call, rep) -> dict | None:
         out["waivers"] = {str(w.index): ctx.matched.get(w.index, 0) for w in ctx.waivers}
         out["waived_messages"] = {str(i): m for i, m in ctx.first_message.items()}
         out["waived_distinct"] = {str(i): dict(m) for i, m in ctx.messages.items()}
+        out["waived_sites"] = {str(i): dict(m) for i, m in ctx.sites.items()}
         out["waived_kinds"] = sorted(ctx.kinds)
         if call.when == "call" and rep.passed:
             if ctx.matched:
