@@ -5,27 +5,25 @@ Experience (`mm_train_inputs`, one dict or None per sample, as `process_prompt_w
 them) into the model's media inputs: every value goes through `torch.tensor(val)` unless it is a
 tensor, then each key is `torch.cat(..., dim=0)`-ed. The train step
 (`ActorPPOTrainer.training_step`) and the logprob / reference passes (`PolicyModelActor.forward`,
-`ReferenceModelActor.forward`) call it. Two cases fail:
+`ReferenceModelActor.forward`) call it. Tiled images fail:
 
-1. Tiled images (Idefics3 / SmolVLM; LLaVA-NeXT patches likewise): the processor gives each
-   sample `pixel_values [1, tiles, 3, H, W]`, and the tile count depends on the image. Samples
-   with different tile counts cannot be concatenated on dim 0; the processor itself, given the
-   same images as one batch, pads the tiles to `[2, max_tiles, 3, H, W]`.
-2. A value holding a list of per-image tensors (images of differing resolution, audio clips
-   of differing length) goes through `torch.tensor(list)`, which only converts numbers.
+Idefics3 / SmolVLM (LLaVA-NeXT patches likewise): the processor gives each sample
+`pixel_values [1, tiles, 3, H, W]`, and the tile count depends on the image. Samples with
+different tile counts cannot be concatenated on dim 0; the processor itself, given the same
+images as one batch, pads the tiles to `[2, max_tiles, 3, H, W]`.
+
+(A value holding a list of per-image tensors also raises, in `torch.tensor(list)`; OpenRLHF
+never builds one, its per-sample dicts being processor outputs, so that is not shown here.)
 
 Run: python openrlhf-merge-mm-train-inputs.py  (needs openrlhf 0.11.2, torch, transformers,
 pillow; no download: Idefics3's image processor is built here with small sizes)
 
 Expected: one media dict for the two samples (tiles padded to the batch max as the processor
-pads them, e.g. pixel_values [2, 5, 3, 32, 32]; list values kept per image), or an error that
-names the key.
+pads them, e.g. pixel_values [2, 5, 3, 32, 32]), or an error that names the key.
 Actual (openrlhf 0.11.2, torch 2.13, transformers 5.24): RuntimeError "Sizes of tensors must
-match except in dimension 0" for case 1; ValueError "only one element tensors can be converted
-to Python scalars" for case 2.
+match except in dimension 0".
 """
 
-import torch
 from openrlhf.utils.vlm_utils import merge_mm_train_inputs
 from PIL import Image
 from transformers import Idefics3ImageProcessorPil
@@ -37,12 +35,8 @@ print("per-sample pixel_values:", [tuple(r["pixel_values"].shape) for r in rows]
 print("processor on both samples:", tuple(proc(images=[[im] for im in images],
                                                return_tensors="pt")["pixel_values"].shape))
 
-cases = {"1. tiles of differing count": rows,
-         "2. list of per-image tensors": [{"pixel_values": [torch.rand(3, 4, 4), torch.rand(3, 4, 8)]},
-                                         {"pixel_values": [torch.rand(3, 8, 4)]}]}
-for name, mm_train_inputs in cases.items():
-    try:  # as the train step calls it: experience.mm_train_inputs, one entry per sample
-        out = merge_mm_train_inputs(mm_train_inputs, "cpu")
-        print(name, "->", {k: tuple(v.shape) for k, v in out.items()})
-    except Exception as e:
-        print(name, "->", type(e).__name__ + ":", str(e).splitlines()[0])
+try:  # as the train step calls it: experience.mm_train_inputs, one entry per sample
+    out = merge_mm_train_inputs(rows, "cpu")
+    print("tiles of differing count ->", {k: tuple(v.shape) for k, v in out.items()})
+except Exception as e:
+    print("tiles of differing count ->", type(e).__name__ + ":", str(e).splitlines()[0])
