@@ -109,6 +109,18 @@ def _surface_table(report: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _by_waiver(lines: list[str], intro: str, shown: int, entries: list) -> None:
+    """A paragraph, then one bullet per waiver (clause, waiver, items, how many in all): its
+    first `shown` items and how many more there are; nothing when no waiver has any."""
+    if not entries:
+        return
+    lines.extend([intro, ""])
+    for c, w, items, total in entries:
+        lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(items[:shown])
+                     + (f"; and {total - shown} more" if total > shown else ""))
+    lines.append("")
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     verdict = gate(report)
     summary = report["summary"]
@@ -247,34 +259,22 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.extend(_table(["Clause", "#", "Category", "Scope", "Matched", "Expires",
                              "Reason"], rows))
         lines.append("")
-        several = [(c, w) for c, w in waived if w.get("distinct_messages", 0) > 1]
-        if several:
-            lines.append("Waivers that matched more than one kind of message (first lines alike "
-                         "up to names, hex, numbers and lists are one kind; a waiver should "
-                         "describe one cause, which may show in several checks): an example of "
-                         "each of the first five kinds, with how often it failed:")
-            lines.append("")
-            for c, w in several:
-                lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(
-                    f"{escape(m['message'], 160)} (x{m['count']}"
-                    + (f", {m['variants']} variants)" if m.get("variants", 1) > 1 else ")")
-                    for m in w["messages"][:5])
-                    + (f"; and {w['distinct_messages'] - 5} more"
-                       if w["distinct_messages"] > 5 else ""))
-            lines.append("")
-        checks = [(c, w) for c, w in waived if len(w.get("checks") or ()) > 1]
-        if checks:
-            lines.append("Waivers whose failures were raised by more than one check (the clause "
-                         "line that asserted, or that called the backend when it raised, and the "
-                         "exception type): one cause can fail several checks, and a second cause "
-                         "hides nowhere else, so each should say why its checks share a cause, or "
-                         "be split:")
-            lines.append("")
-            for c, w in checks:
-                lines.append(f"- {escape(c['id'])} #{w['index']}: " + "; ".join(
-                    f"`{escape(k['site'], 80)}` (x{k['count']})" for k in w["checks"][:8])
-                    + (f"; and {len(w['checks']) - 8} more" if len(w["checks"]) > 8 else ""))
-            lines.append("")
+        _by_waiver(lines, "Waivers that matched more than one kind of message (first lines alike "
+                   "up to names, hex, numbers and lists are one kind; a waiver should describe "
+                   "one cause, which may show in several checks): an example of each of the "
+                   "first five kinds, with how often it failed:", 5, [
+                       (c, w, [f"{escape(m['message'], 160)} (x{m['count']}"
+                               + (f", {m['variants']} variants)" if m.get("variants", 1) > 1
+                                  else ")") for m in w["messages"]], w["distinct_messages"])
+                       for c, w in waived if w.get("distinct_messages", 0) > 1])
+        _by_waiver(lines, "Waivers whose failures were raised by more than one check (the clause "
+                   "line that asserted, or that called the backend when it raised, and the "
+                   "exception type): one cause can fail several checks, and a second cause "
+                   "hides nowhere else, so each should say why its checks share a cause, or be "
+                   "split:", 8, [
+                       (c, w, [f"`{escape(k['site'], 80)}` (x{k['count']})" for k in w["checks"]],
+                        len(w["checks"]))
+                       for c, w in waived if len(w.get("checks") or ()) > 1])
 
     lines.append("### Clauses")
     rows = []

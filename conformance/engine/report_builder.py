@@ -67,8 +67,6 @@ def message_kind(text: str) -> str:
     return out
 
 
-
-
 def _message_kinds(per_test) -> list[dict]:
     """The kinds of the failure texts a waiver matched (dicts text -> count, one per test): one
     example of each kind (its most frequent text), the failures of that kind and how many
