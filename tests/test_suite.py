@@ -618,7 +618,36 @@ def test_a_failure_group_is_waived_only_when_every_member_is():
     assert ctx.find(group) is None
     both = ExceptionGroup("two", [RuntimeError("defect A"), ValueError("defect A again")])
     found = ctx.find(both)
-    assert found is not None and [x.index for x, _ in found] == [1, 1]
+    assert found is not None and [x.index for x, *_ in found] == [1, 1]
+
+
+def test_a_soft_check_failure_is_sited_at_the_clause_line_that_called_the_shared_check():
+    """Several differences from a shared check of `_check.py` (`fail_each` raises each in its
+    own frame and gathers them in a group): each failure's check is the clause test's line
+    that called the shared check, not the helper's line nor \"outside the clauses\"."""
+    import datetime as dt
+
+    import torch
+    from rlconform.conformance.engine.verdicts import CLAUSES_DIR, CoveringWaivers
+    from rlconform.conformance.engine.waivers import Waiver
+
+    source = textwrap.dedent('''
+        from rlconform.conformance.clauses._check import assert_columns_equal
+
+        def a_clause_test(want, got):
+            assert_columns_equal(want, got)
+    ''')
+    ns: dict = {}
+    exec(compile(source, str(CLAUSES_DIR / "test_sited.py"), "exec"), ns)
+    want = {"a": torch.ones(2), "b": torch.ones(2)}
+    with pytest.raises(ExceptionGroup) as info:
+        ns["a_clause_test"](want, {"a": torch.zeros(2), "b": torch.zeros(2)})
+    ctx = CoveringWaivers([Waiver("DP-TAGS", "backend-bug", "r", dt.date(2099, 1, 1),
+                                  match="column '[ab]'", index=1)])
+    found = ctx.find(info.value)
+    assert found is not None and [site for *_, site in found] == ["test_sited.py:5 AssertionError"] * 2
+    ctx.record(found)
+    assert ctx.sites == {1: {"test_sited.py:5 AssertionError": 2}}
 
 
 def test_a_waived_check_hides_none_of_the_checks_after_it(tmp_path):

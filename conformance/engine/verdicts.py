@@ -109,15 +109,20 @@ def matched_text(exc: BaseException) -> str:
 _RAISING_HELPERS = frozenset({"fail_each", "done", "each", "_fail"})
 
 
-def check_site(exc: BaseException) -> str:
-    """Which check raised `exc`: `file:line` of the innermost frame of the clause package that
-    is not a raising helper (an assertion's line, or the clause's call into the backend that
-    raised), with the exception's type. Failures of one site and type are one check failing on
-    other values; a waiver that matches failures of two sites takes two checks."""
+def check_site(exc: BaseException, outer: tuple = ()) -> str:
+    """Which check raised `exc`: `file:line` of the innermost frame of a clause test module
+    (`test_*.py`) that is not a raising helper (an assertion's line, a call of a shared check
+    of `_check.py`, or the clause's call into the backend that raised), with the exception's
+    type. `outer`: the frames of the exception groups that carried `exc` (a soft check's
+    failure holds only the frames below its `each` block). Failures of one site and type are
+    one check failing on other values; a waiver that matches failures of two sites takes two
+    checks."""
     site = "outside the clauses"
-    for f in traceback.extract_tb(exc.__traceback__):
-        if _in_clauses(str(Path(f.filename).resolve())) and f.name not in _RAISING_HELPERS:
-            site = f"{Path(f.filename).name}:{f.lineno}"
+    for f in [*outer, *traceback.extract_tb(exc.__traceback__)]:
+        path = Path(f.filename)
+        if path.name.startswith("test_") and _in_clauses(str(path.resolve())) \
+                and f.name not in _RAISING_HELPERS:
+            site = f"{path.name}:{f.lineno}"
     return f"{site} {type(exc).__name__}"
 
 
@@ -195,16 +200,16 @@ class CoveringWaivers:
         if unimplemented(exc) is not None:
             return None  # never waivable: the run reports it as an error
         found = []
-        for leaf in _leaves(exc):
+        for leaf, outer in _leaves_in(exc):
             text = matched_text(leaf)
             w = next((w for w in self.waivers if w.matches(text)), None)
             if w is None:
                 return None
-            found.append((w, leaf))
+            found.append((w, leaf, check_site(leaf, outer)))
         return found
 
-    def record(self, found: list[tuple[Waiver, BaseException]]) -> None:
-        for w, exc in found:
+    def record(self, found: list[tuple[Waiver, BaseException, str]]) -> None:
+        for w, exc, site in found:
             self.matched[w.index] = self.matched.get(w.index, 0) + 1
             self.first_message.setdefault(w.index, failure_text(exc)[:500])
             seen = self.messages.setdefault(w.index, {})
@@ -212,19 +217,25 @@ class CoveringWaivers:
             if text in seen or len(seen) < MAX_DISTINCT:
                 seen[text] = seen.get(text, 0) + 1
             sites = self.sites.setdefault(w.index, {})
-            site = check_site(exc)
             sites[site] = sites.get(site, 0) + 1
             self.kinds.add(failure_kind(exc))
 
     @staticmethod
-    def label(found: list[tuple[Waiver, BaseException]]) -> str:
-        return ", ".join(dict.fromkeys(w.label for w, _ in found))
+    def label(found: list[tuple[Waiver, BaseException, str]]) -> str:
+        return ", ".join(dict.fromkeys(w.label for w, *_ in found))
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
+    return [leaf for leaf, _ in _leaves_in(exc)]
+
+
+def _leaves_in(exc: BaseException, outer: tuple = ()) -> list[tuple[BaseException, tuple]]:
+    """Each failure of `exc` (the members of exception groups, nested or not) with the frames
+    of the groups above it, outermost first."""
     if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
-    return [exc]
+        here = (*outer, *traceback.extract_tb(exc.__traceback__))
+        return [leaf for e in exc.exceptions for leaf in _leaves_in(e, here)]
+    return [(exc, outer)]
 
 
 _STASH = pytest.StashKey[CoveringWaivers]()
