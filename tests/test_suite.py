@@ -628,6 +628,7 @@ def test_a_soft_check_failure_is_sited_at_the_clause_line_that_called_the_shared
     import datetime as dt
 
     import torch
+
     from rlconform.conformance.engine.verdicts import CLAUSES_DIR, CoveringWaivers
     from rlconform.conformance.engine.waivers import Waiver
 

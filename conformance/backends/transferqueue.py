@@ -380,6 +380,25 @@ STORE_NOTES = {s: "a key/value store: the codec, meta, batch ops, trainer and ro
                   "backends judge those)" for s in ("codec", "meta", "batch_ops", "trainer",
                                                        "rollout")}
 
+# What the adapter changes between TransferQueue's answers and the contract, on every clause
+# that reads the store back (the report states it per clause)
+_RESTACK = (
+    "TransferQueue hands a dense column of two or more dims back as a jagged nested tensor: "
+    "put records each field's layout in the key's tags (under LAYOUT_TAG) and get restacks a "
+    "column only when every row's record says dense with the shape each row has (_restore); "
+    "any other column is returned as the library gave it")
+_NOT_THERE = (
+    "TransferQueue's ValueError for keys, a partition or fields it does not hold ('keys or "
+    "partition were not found', 'fields are not ready') is raised as KeyError naming what "
+    "was asked (the contract's error); a shorter or empty result is passed through")
+NORMALISATIONS = {cid: f"{_RESTACK}; {_NOT_THERE}" for cid in (
+    "DP-ROUNDTRIP", "DP-LAYOUT", "DP-TAGS", "DP-MISSING", "DP-MERGE", "DP-CLEAR-ISOLATION",
+    "DP-NO-ALIAS", "DP-CONCURRENT", "DP-BITEXACT", "DP-SHAPE-TAGS", "DP-NAMES",
+    "DP-NAME-ISOLATION", "DP-TAG-VALUES", "DP-LAYOUT-CONFLICT", "DP-EMPTY", "DP-ORDER",
+    "DP-ARGS-INTACT", "DP-MULTIPROCESS", "DP-CLEAN-SLATE", "DP-STORE-MODEL", "DP-STORE-ATOMIC",
+    "DP-STORE-CLIENTS", "WIRE-TRANSPORT-ROUNDTRIP", "DP-OBJECT", "RANK-DP-PARITY",
+    "RANK-SHARD-RECEIPT", "RANK-INPUT-SHAPES", "RANK-FAILURE")}
+
 STORE_NOTES["object_columns"] = (
     "not mapped: this adapter stores tensor columns; TransferQueue's per-row object leaves "
     "(NonTensorStack, as verl's rollout write puts multi_modal_inputs) are exercised by the verl "
@@ -392,6 +411,7 @@ simple_backend = Backend(
     capabilities=frozenset(CAPABILITIES | {"multiprocess"}),
     session=simple_session,
     notes=dict(STORE_NOTES),
+    normalisations=NORMALISATIONS,
     version=package_version("TransferQueue"),
 )
 
@@ -404,6 +424,7 @@ mooncake_backend = Backend(
     session=mooncake_session,
     notes={**STORE_NOTES, "multiprocess": "a rank's client would mount its own Mooncake segment "
            "beside the driver's: not set up or tested here (docs/backends.md, rank processes)"},
+    normalisations=NORMALISATIONS,
     version=", ".join(v for v in (package_version("TransferQueue"), package_version(
         "mooncake-transfer-engine-non-cuda", "Mooncake")) if v),
 )

@@ -235,15 +235,15 @@ class StoreMachine(RuleBasedStateMachine):
                     except Exception:  # noqa: BLE001 - not readable: not held
                         continue
                     seen.setdefault(f, {})[layout] = None
-            for f, layouts in seen.items():
+            for f, found in seen.items():
                 # one layout in every row: the field's, as the store holds it now (a waived put
                 # may have changed it); rows in several: a state the contract does not define
                 # (an accepted layout conflict), whose reads are that defect again, not a new
                 # one: the field's columns are no longer judged
-                part.layouts.setdefault(f, next(iter(layouts)))
-                if len(layouts) == 1:
-                    part.layouts[f] = next(iter(layouts))
+                if len(found) == 1:
+                    part.layouts[f] = next(iter(found))
                 else:
+                    part.layouts.setdefault(f, next(iter(found)))
                     self.unjudged.add((p, f))
             if keys or part.layouts:
                 self.model.parts[p] = part
