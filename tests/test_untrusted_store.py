@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,9 @@ def test_progress_lines_and_notes_in_the_terminal(tmp_path, shared_module):
                "test_tags_follow_keys or test_layout_preserved")
     text = out.stdout
     assert "rlconform: DP-TAGS: test_tags_follow_keys_in_request_order FAILED (1 failed" in text
+    # what failed, when it fails (the report comes only at the end of the run)
+    line = next(x for x in text.splitlines() if "test_tags_follow_keys_in_request_order FAILED" in x)
+    assert re.search(r"so far\): AssertionError: .*tag", line), line
     assert "\nrlconform: DP-LAYOUT done: 4 tests, 0 failed" in text, text[-3000:]
     # the same backend's note on a capability it leaves out, in the terminal as in the report
     from rlconform.conformance.engine.collection import applicability

@@ -2,7 +2,7 @@
 
 pytest prints a dot per test; a backend author wants to know which clause is running and
 whether it is failing. This plugin prints one line when a test fails (its clause, the failures
-so far) and one when every selected test of a clause has reported:
+so far, the first line of the failure) and one when every selected test of a clause has reported:
 
     rlconform: DP-NAMES done: 3 tests, 0 failed  [12/25 clauses, 151/513 tests, 0 failed]
 
@@ -166,8 +166,9 @@ class ClauseProgress:
             if failed:
                 self.failed[cid] += 1
         name = report.nodeid.rsplit("::", 1)[-1]
+        why = _first_line(report) if failed else ""
         lines = [f"{cid}: {name} FAILED ({self.failed[cid]} failed of {self.done[cid]} tests "
-                 "so far)" for cid in clauses] if failed else []
+                 f"so far){why}" for cid in clauses] if failed else []
         for cid in clauses if self.total is not None else ():
             if cid not in self.finished and self.done[cid] >= self.total.get(cid, 0):
                 self.finished.add(cid)
@@ -177,6 +178,18 @@ class ClauseProgress:
                     f"{self.tests_done}/{self.tests_total} tests, "
                     f"{sum(self.failed.values())} failed]")
         self._write(lines)
+
+
+def _first_line(report: pytest.TestReport, width: int = 200) -> str:
+    """`: <exception>: <message>`, the failure's first line cut to `width` characters, so that
+    what failed is read when it fails, not only when the run ends (a store machine's failing
+    test shrinks for minutes before the report is written)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = (getattr(crash, "message", None) or "").strip().splitlines()
+    if not text:
+        return ""
+    line = text[0]
+    return ": " + (line if len(line) <= width else line[:width - 3] + "...")
 
 
 def pytest_configure(config: pytest.Config) -> None:
