@@ -185,3 +185,78 @@ def test_each_rule_finds_a_defect_only_it_finds(base, names, part, mutant):
     with pytest.raises(AssertionError):
         run_state_machine_as_test(machine, settings=search)
     run_state_machine_as_test(_without(machine, part), settings=search)  # survives
+
+
+# -- a store that answers with bytes it does not hold, after a waived failure ------------------
+class _TornStore:
+    """The reference store refusing a put that holds a zero-size row (as a store of no
+    zero-byte values does) after it wrote the put's other rows, each under the shape its key
+    held before: a read of such a row gives its new values, then memory past them (other bits
+    each time)."""
+
+    def __new__(cls):
+        import torch
+
+        from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+        class Torn(InMemoryDataPlane):
+            def put(self, partition, keys, columns, tags=None):
+                rows = {n: c.unbind() for n, c in columns.items()
+                        if isinstance(c, torch.Tensor) and c.is_nested}
+                if not any(r.numel() == 0 for rs in rows.values() for r in rs):
+                    return super().put(partition, keys, columns, tags)
+                held = self._rows.get(partition, {})
+                for name, rs in rows.items():
+                    for k, r in zip(keys, rs):
+                        old = held.get(k, {}).get(name)
+                        if r.numel() and old is not None and old.numel() > r.numel():
+                            self.__dict__.setdefault("torn", {})[(partition, k, name)] = \
+                                (r.clone(), old.shape)
+                raise RuntimeError("zero-byte value refused after the other rows were written")
+
+            def get(self, partition, keys, select_fields=None):
+                for (p, k, name), (new, shape) in self.__dict__.get("torn", {}).items():
+                    if p == partition and name in self._rows.get(p, {}).get(k, {}):
+                        row = torch.randn(shape).to(new.dtype)  # what the buffer held before
+                        row.view(-1)[:new.numel()] = new.reshape(-1)
+                        self._rows[p][k][name] = row
+                return super().get(partition, keys, select_fields)
+
+        return Torn()
+
+
+def test_a_store_that_reads_back_other_bits_after_a_waived_failure_fails_on_that():
+    """After a waived failure the model adopts what the store holds (`_adopt`); a field that
+    reads back with other bits each time is then a finding of its own (not a false alarm on
+    a later read, not silence): its message names the key and field, a waiver can take it,
+    and the field is no longer judged."""
+    import datetime as dt
+
+    from rlconform.conformance.backend import Backend
+    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
+    from rlconform.conformance.engine import verdicts
+    from rlconform.conformance.engine.waivers import Waiver
+
+    backend = Backend.from_reference("torn", transport=_TornStore)
+    machine = machine_for(StoreMachine, backend, "torn", "case")
+    calls = parse_input(
+        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None)")
+
+    def replay(*matches: str) -> None:
+        waivers = [Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1), match=m,
+                          index=i) for i, m in enumerate(matches, 1)]
+        token = verdicts._CURRENT.set(verdicts.CoveringWaivers(waivers))
+        m = machine()
+        m.world = _input_world(calls)
+        try:
+            m.replay(calls)
+        finally:
+            m.teardown()
+            verdicts._CURRENT.reset(token)
+
+    put_refused = "put raised RuntimeError: zero-byte value refused"
+    with pytest.raises(AssertionError, match="two reads of key 'k' field 'f' differ") as failure:
+        replay(put_refused)
+    assert "cols, _ = t.get('p', ['k'], ['f'])" in failure.value.reproduction
+    replay(put_refused, r"after a waived failure, two reads of key 'k' field 'f' differ")
