@@ -195,7 +195,7 @@ class StoreMachine(RuleBasedStateMachine):
             first = str(failure).splitlines()[0][:160]
             self.log.append(f"with contextlib.suppress(Exception): {call}  # waived: {first}")
         if adopt:
-            self._adopt()
+            self._adopt(_what_failed(str(failure)))
         return True
 
     def _read(self, check, *args, adopt: bool = False, **kwargs) -> None:
@@ -208,9 +208,10 @@ class StoreMachine(RuleBasedStateMachine):
             if not self._known(failure, adopt=adopt, logged=False):
                 raise
 
-    def _adopt(self) -> None:
+    def _adopt(self, after: str = "") -> None:
         """The model becomes what the store holds, read back through the first client (after a
-        waived failure the two may differ; what cannot be read is left out)."""
+        waived failure, `after` its first line, the two may differ; what cannot be read is
+        left out)."""
         from rlconform.reference_impl.bitexact import tensor_difference
 
         t = self.clients[0][1]
@@ -263,11 +264,12 @@ class StoreMachine(RuleBasedStateMachine):
                 self.model.parts.pop(p, None)
             self.row_source = {pkf: s for pkf, s in self.row_source.items() if pkf[0] != p}
         if unsteady:
-            self._unsteady(unsteady)
+            self._unsteady(unsteady, after)
 
-    def _unsteady(self, found: list[tuple[str, str, str, str]]) -> None:
-        """After a waived failure, a key's field read twice came back with other bits: the
-        store answers with what it does not hold. That is a finding of its own (failed, or
+    def _unsteady(self, found: list[tuple[str, str, str, str]], after: str) -> None:
+        """After a waived failure (`after`, named in the message: a waiver takes this finding
+        for one cause), a key's field read twice came back with other bits: the store answers
+        with what it does not hold. That is a finding of its own (failed, or
         taken by a waiver that names it); the field's columns are no longer judged either way
         (every later read would differ again)."""
         for p, _, f, _ in found:
@@ -275,8 +277,8 @@ class StoreMachine(RuleBasedStateMachine):
         p, k, f, why = found[0]
         ps, ks, fs = _v(p).source, _v(k).source, _v(f).source
         try:
-            self._fail(f"after a waived failure, two reads of key {k!r} field {f!r} differ: "
-                       f"{why}; the store answers with bytes it does not hold",
+            self._fail(f"after a waived failure ({after}), two reads of key {k!r} field {f!r} "
+                       f"differ: {why}; the store answers with bytes it does not hold",
                        f"cols, _ = t.get({ps}, [{ks}], [{fs}])", check=(
                            f"again, _ = t.get({ps}, [{ks}], [{fs}])\n"
                            "from rlconform.reference_impl.bitexact import tensor_difference\n"
@@ -696,6 +698,16 @@ class Clients(StoreMachine):
             self._fail(f"closing a second client raised {type(raised).__name__}: {raised}",
                        f"{name}.close()")
         self.log.append(f"{name}.close()")
+
+
+def _what_failed(message: str) -> str:
+    """The call and the kind of a failure (`put raised RuntimeError`, `clear was accepted`,
+    `get`): what a later finding says it came after, short of the text a waiver of the failure
+    itself matches."""
+    import re
+
+    m = re.match(r"(\w+) (raised \w+|was accepted)", message)
+    return m.group(0) if m else message.split(":", 1)[0].split(" ", 1)[0]
 
 
 def machine_for(base: type[StoreMachine], backend, spec: str, names: str) -> type[StoreMachine]:
