@@ -212,8 +212,6 @@ class StoreMachine(RuleBasedStateMachine):
         """The model becomes what the store holds, read back through the first client (after a
         waived failure, `after` its first line, the two may differ; what cannot be read is
         left out)."""
-        from rlconform.reference_impl.bitexact import tensor_difference
-
         t = self.clients[0][1]
         unsteady: list[tuple[str, str, str, str]] = []  # (p, k, f, how two reads differ)
         for p in self.world.partitions:
@@ -242,8 +240,7 @@ class StoreMachine(RuleBasedStateMachine):
                     # read again: a store that answers with bytes it does not hold (a value
                     # cut short under its old shape) gives other bits each time
                     try:
-                        again = rows_of(layout, t.get(p, [k], [f])[0][f])[0]
-                        why = tensor_difference(row, again)
+                        why = column_difference(f, layout, [row], t.get(p, [k], [f])[0][f])
                     except Exception as exc:  # noqa: BLE001 - the same read, now raising
                         why = f"the second read raised {type(exc).__name__}: {str(exc)[:120]}"
                     if why:
