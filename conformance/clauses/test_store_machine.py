@@ -213,7 +213,7 @@ class StoreMachine(RuleBasedStateMachine):
         waived failure, `after` its first line, the two may differ; what cannot be read is
         left out)."""
         t = self.clients[0][1]
-        unsteady: list[tuple[str, str, str, str]] = []  # (p, k, f, how two reads differ)
+        unsteady: list[tuple[str, list, str, str]] = []  # (p, keys, f, how the reads differ)
         for p in self.world.partitions:
             try:
                 keys = list(t.list(p))
@@ -233,18 +233,10 @@ class StoreMachine(RuleBasedStateMachine):
                     try:
                         col = t.get(p, [k], [f])[0][f]
                         layout = layout_of(f, col)
-                        part.rows[k][f] = row = rows_of(layout, col)[0]
+                        part.rows[k][f] = rows_of(layout, col)[0]
                     except Exception:  # noqa: BLE001 - not readable: not held
                         continue
                     seen.setdefault(f, {})[layout] = None
-                    # read again: a store that answers with bytes it does not hold (a value
-                    # cut short under its old shape) gives other bits each time
-                    try:
-                        why = column_difference(f, layout, [row], t.get(p, [k], [f])[0][f])
-                    except Exception as exc:  # noqa: BLE001 - the same read, now raising
-                        why = f"the second read raised {type(exc).__name__}: {str(exc)[:120]}"
-                    if why:
-                        unsteady.append((p, k, f, why))
             for f, found in seen.items():
                 # one layout in every row: the field's, as the store holds it now (a waived put
                 # may have changed it); rows in several: a state the contract does not define
@@ -255,6 +247,19 @@ class StoreMachine(RuleBasedStateMachine):
                 else:
                     part.layouts.setdefault(f, next(iter(found)))
                     self.unjudged.add((p, f))
+                    continue
+                # read the field again, every key that holds it in one get: a store that
+                # answers with bytes it does not hold (a value cut short under its old shape)
+                # gives other bits than the reads of one key each
+                holders = [k for k in part.rows if f in part.rows[k]]
+                try:
+                    why = column_difference(f, part.layouts[f],
+                                            [part.rows[k][f] for k in holders],
+                                            t.get(p, holders, [f])[0][f])
+                except Exception as exc:  # noqa: BLE001 - the same rows, now raising
+                    why = f"the read of them together raised {type(exc).__name__}: {str(exc)[:120]}"
+                if why:
+                    unsteady.append((p, holders, f, why))
             if keys or part.layouts:
                 self.model.parts[p] = part
             else:
@@ -263,24 +268,26 @@ class StoreMachine(RuleBasedStateMachine):
         if unsteady:
             self._unsteady(unsteady, after)
 
-    def _unsteady(self, found: list[tuple[str, str, str, str]], after: str) -> None:
+    def _unsteady(self, found: list[tuple[str, list, str, str]], after: str) -> None:
         """After a waived failure (`after`, named in the message: a waiver takes this finding
-        for one cause), a key's field read twice came back with other bits: the store answers
-        with what it does not hold. That is a finding of its own (failed, or
-        taken by a waiver that names it); the field's columns are no longer judged either way
-        (every later read would differ again)."""
+        for one cause), a field read key by key and then for all its keys at once came back
+        with other bits: the store answers with what it does not hold. That is a finding of its
+        own (failed, or taken by a waiver that names it); the field's columns are no longer
+        judged either way (every later read may differ again)."""
         for p, _, f, _ in found:
             self.unjudged.add((p, f))
-        p, k, f, why = found[0]
-        ps, ks, fs = _v(p).source, _v(k).source, _v(f).source
+        p, keys, f, why = found[0]
+        ps, ks, fs = _v(p).source, _v(list(keys)).source, _v(f).source
         try:
-            self._fail(f"after a waived failure ({after}), two reads of key {k!r} field {f!r} "
-                       f"differ: {why}; the store answers with bytes it does not hold",
-                       f"cols, _ = t.get({ps}, [{ks}], [{fs}])", check=(
-                           f"again, _ = t.get({ps}, [{ks}], [{fs}])\n"
+            self._fail(f"after a waived failure ({after}), two reads of field {f!r} differ (each "
+                       f"key alone, then {len(keys)} keys in one get): {why}; the store answers "
+                       "with bytes it does not hold",
+                       f"alone = [t.get({ps}, [k], [{fs}])[0][{fs}].unbind()[0] for k in {ks}]",
+                       check=(
+                           f"together, _ = t.get({ps}, {ks}, [{fs}])\n"
                            "from rlconform.reference_impl.bitexact import tensor_difference\n"
-                           f"assert tensor_difference(cols[{fs}].unbind()[0], "
-                           f"again[{fs}].unbind()[0]) is None"))
+                           "assert all(tensor_difference(a, b) is None for a, b in "
+                           f"zip(alone, together[{fs}].unbind()))"))
         except AssertionError as failure:
             if not self._known(failure, adopt=False, logged=False):
                 raise
