@@ -158,7 +158,11 @@ def test_the_model_size_drop_is_named_per_family(tmp_path):
 
 # -- a run stopped from outside ------------------------------------------------------------------
 SLEEPER = textwrap.dedent("""
-    import os, time
+    import os, signal, sys, time
+
+    def pytest_runtest_setup(item):
+        if os.environ.get("RLC_FOREIGN_SIGTERM"):  # as ray.init does: exit at once on SIGTERM
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
 
     def pytest_runtest_call(item):
         if os.environ["RLC_SLEEP_AT"] in item.nodeid:
@@ -167,15 +171,18 @@ SLEEPER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_signal_writes_the_report_of_what_had_run(tmp_path):
+@pytest.mark.parametrize("foreign", ["", "1"], ids=["own-handler", "session-replaced-it"])
+def test_a_signal_writes_the_report_of_what_had_run(tmp_path, foreign):
     """SIGTERM while a test runs (a store that hangs), sent as `timeout` sends it (to the
     runner, then to its process group): the progress line names that test and
     its time so far, and the run ends with a report (the test before it kept, the running one's
-    clause incomplete, the signal named), exit status 128 + 15."""
+    clause incomplete, the signal named), exit status 128 + 15; also when the backend's
+    session installed a SIGTERM handler of its own (ray.init does) before the test."""
     (tmp_path / "rlc_sleeper.py").write_text(SLEEPER)
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "RLC_SLEEP_AT": "test_partitions_are_isolated", "RLCONFORM_SLOW_TEST_S": "1"}
+           "RLC_SLEEP_AT": "test_partitions_are_isolated", "RLCONFORM_SLOW_TEST_S": "1",
+           "RLC_FOREIGN_SIGTERM": foreign}
     proc = subprocess.Popen(
         [*CLI, "run", "--workers", "0", "-q", "--report-dir", str(out), "-p", "rlc_sleeper",
          "--partial-ok", "-k", "test_tags_follow_keys or test_partitions_are_isolated"],

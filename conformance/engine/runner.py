@@ -22,6 +22,7 @@ HYPOTHESIS_PLUGIN = "_hypothesis_pytestplugin"
 
 def pytest_args(backend: str, extra: list[str], workers: str | None = "auto") -> list[str]:
     args = ["-p", PLUGIN, "-p", "rlconform.conformance.engine.progress",
+            "-p", "rlconform.conformance.engine.stopping",
             "--pyargs", CLAUSES_PACKAGE,
             "--backend", backend, "-p", "no:cacheprovider", "-o", "addopts=",
             # libraries' UserWarnings are noise in a conformance run, except PyTorch's

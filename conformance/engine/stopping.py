@@ -22,10 +22,13 @@ import signal
 import threading
 import time
 
+import pytest
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 2.0
 _received: list[int] = []
 _first_at: list[float] = []
+_active: list[bool] = []  # non-empty while a run is inside `reporting_on_signals`
 
 
 def _handler(signum, frame) -> None:
@@ -53,11 +56,30 @@ def reporting_on_signals():
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, _handler)
+    _active.append(True)
     try:
         yield
     finally:
+        _active.clear()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def reassert() -> None:
+    """Take the signals back where a backend's session replaced their handler: `ray.init`
+    installs a SIGTERM handler that exits at once (ray._private.worker.init,
+    `set_sigterm_handler`), so a run on a Ray-based store that `timeout` stopped wrote no
+    report. Called before each test (`pytest_runtest_call` below)."""
+    if not _active or threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        if signal.getsignal(s) is not _handler:
+            signal.signal(s, _handler)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item) -> None:
+    reassert()
 
 
 def received() -> str | None:
