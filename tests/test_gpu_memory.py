@@ -29,6 +29,20 @@ def test_preflight_refuses_a_gpu_too_small_for_the_largest_test():
     assert gm.preflight(PLAN, ["gemma3", "text"], 141 * GIB, "H200") is None
 
 
+def test_preflight_judges_the_selected_tests_of_a_family():
+    """A run that leaves a family's largest tests out (-k) is judged by the tests it runs: a
+    test with its own measured peak needs that; one without needs the family's largest."""
+    plan = {**PLAN, "families": {**PLAN["families"], "gemma3": {
+        "peak_gib": 80.0, "tests": {"test_legacy_parity": 90.0, "test_small": 50.0}}}}
+    assert gm.preflight(plan, ["gemma3"], 80 * GIB, "H100", tests={"gemma3": {"test_small"}}) \
+        is None
+    why = gm.preflight(plan, ["gemma3"], 80 * GIB, "H100",
+                       tests={"gemma3": {"test_small", "test_legacy_parity"}})
+    assert why and "gemma3 needs 99 GiB" in why
+    why = gm.preflight(plan, ["gemma3"], 80 * GIB, "H100", tests={"gemma3": {"test_unmeasured"}})
+    assert why and "gemma3 needs 88 GiB" in why
+
+
 def _hold(path, budget, gib, seconds, started, log):
     ledger = gm.Ledger(path, budget)
     with gm.reservation(ledger, gib, "test") as waited:
@@ -107,8 +121,12 @@ def test_preflight_judges_the_families_the_selected_model_tests_build(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: type("P", (), {"total_memory": 80 * GIB, "name": "H100"}))
     monkeypatch.setattr(gm, "preflight",
-                        lambda plan, families, total, name: seen.setdefault("f", families))
+                        lambda plan, families, total, name, tests: seen.setdefault(
+                            "f", (families, tests)))
     ids = ["test_generation.py::test_generation_logprobs_agree_with_prev_logprobs[qwen2_vl]",
            "test_trainer_numerics.py::test_later_steps_ratio_is_the_policy_change[text-epochs-2]",
            "test_codec.py::test_family_roundtrip_with_shared_media[smolvlm]"]
-    assert session._gpu_plan_preflight(None, ids) == ["qwen2_vl", "text"]  # the refusal
+    families, tests = session._gpu_plan_preflight(None, ids)  # the refusal's arguments
+    assert families == ["qwen2_vl", "text"]
+    assert tests == {"qwen2_vl": {"test_generation_logprobs_agree_with_prev_logprobs"},
+                     "text": {"test_later_steps_ratio_is_the_policy_change"}}

@@ -186,14 +186,15 @@ def _gpu_plan_preflight(config: pytest.Config, nodeids: list[str]) -> str | None
 
     model_tests = {t for cid, tests in tests_by_clause().items() if cid in catalogue.BY_ID
                    and catalogue.BY_ID[cid].surface in MODEL_SURFACES for t in tests}
-    families = set()
+    selected: dict[str, set[str]] = {}  # family -> the selected model tests' functions
     for nodeid in nodeids:  # plain ids: test_x.py::test_y[family-...]
         function, _, params = nodeid.partition("[")
         if function in model_tests:
-            families |= set(params.split("]")[0].split("-")) & set(PRODUCTION_MODELS)
+            for family in set(params.split("]")[0].split("-")) & set(PRODUCTION_MODELS):
+                selected.setdefault(family, set()).add(function.rsplit("::", 1)[-1])
     props = torch.cuda.get_device_properties(0)
-    return gpu_memory.preflight(gpu_memory.load_plan(), sorted(families), props.total_memory,
-                                props.name)
+    return gpu_memory.preflight(gpu_memory.load_plan(), sorted(selected), props.total_memory,
+                                props.name, tests=selected)
 
 
 def pytest_report_header(config) -> list[str]:
