@@ -36,6 +36,7 @@ from pathlib import Path
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
+from rlconform.conformance.catalogue import CLAUSES
 from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
 
 LAYOUT_TAG = "__rlconform_layout__:"
@@ -391,13 +392,7 @@ _NOT_THERE = (
     "TransferQueue's ValueError for keys, a partition or fields it does not hold ('keys or "
     "partition were not found', 'fields are not ready') is raised as KeyError naming what "
     "was asked (the contract's error); a shorter or empty result is passed through")
-NORMALISATIONS = {cid: f"{_RESTACK}; {_NOT_THERE}" for cid in (
-    "DP-ROUNDTRIP", "DP-LAYOUT", "DP-TAGS", "DP-MISSING", "DP-MERGE", "DP-CLEAR-ISOLATION",
-    "DP-NO-ALIAS", "DP-CONCURRENT", "DP-BITEXACT", "DP-SHAPE-TAGS", "DP-NAMES",
-    "DP-NAME-ISOLATION", "DP-TAG-VALUES", "DP-LAYOUT-CONFLICT", "DP-EMPTY", "DP-ORDER",
-    "DP-ARGS-INTACT", "DP-MULTIPROCESS", "DP-CLEAN-SLATE", "DP-STORE-MODEL", "DP-STORE-ATOMIC",
-    "DP-STORE-CLIENTS", "WIRE-TRANSPORT-ROUNDTRIP", "DP-OBJECT", "RANK-DP-PARITY",
-    "RANK-SHARD-RECEIPT", "RANK-INPUT-SHAPES", "RANK-FAILURE")}
+NORMALISATIONS = {c.id: f"{_RESTACK}; {_NOT_THERE}" for c in CLAUSES if "transport" in c.surfaces}
 
 STORE_NOTES["object_columns"] = (
     "not mapped: this adapter stores tensor columns; TransferQueue's per-row object leaves "
