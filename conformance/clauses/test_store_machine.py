@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 from hypothesis import settings
@@ -90,11 +91,7 @@ def _waivable(adopt: bool = True):
     def wrap(fn):
         @functools.wraps(fn)
         def step(self, *args, **kwargs):
-            try:
-                return fn(self, *args, **kwargs)
-            except AssertionError as failure:
-                if not self._known(failure, adopt=adopt):
-                    raise
+            return self._attempt(lambda: fn(self, *args, **kwargs), adopt=adopt)
         return step
     return wrap
 
@@ -198,20 +195,29 @@ class StoreMachine(RuleBasedStateMachine):
             self._adopt(_what_failed(str(failure)))
         return True
 
+    def _attempt(self, call, *, adopt: bool, logged: bool = True):
+        """`call()`, whose failure a covering waiver may take (`_known`). The waiver is asked
+        outside the `except` block: a finding that adopting the store's state raises (`_adopt`)
+        then stands alone, not chained to the waived failure (hypothesis would take the two for
+        one bug, and pytest would show the waived one as the failure)."""
+        try:
+            return call()
+        except AssertionError as failure:
+            caught = failure
+        if not self._known(caught, adopt=adopt, logged=logged):
+            raise caught
+        return None
+
     def _read(self, check, *args, adopt: bool = False, **kwargs) -> None:
         """One read of the state after a step; a waived failure skips only this read, and with
         `adopt` the model then takes what the store holds (a waived list that lost keys: the
         reads that follow ask only for what is there, not the same loss again)."""
-        try:
-            check(*args, **kwargs)
-        except AssertionError as failure:
-            if not self._known(failure, adopt=adopt, logged=False):
-                raise
+        self._attempt(lambda: check(*args, **kwargs), adopt=adopt, logged=False)
 
     def _adopt(self, after: str = "") -> None:
         """The model becomes what the store holds, read back through the first client (after a
-        waived failure, `after` its first line, the two may differ; what cannot be read is
-        left out)."""
+        waived failure the two may differ; `after` names that failure's call and kind, as
+        `_what_failed` gives them; what cannot be read is left out)."""
         t = self.clients[0][1]
         unsteady: list[tuple[str, list, str, str]] = []  # (p, keys, f, how the reads differ)
         for p in self.world.partitions:
@@ -509,29 +515,27 @@ class StoreMachine(RuleBasedStateMachine):
                                if pkf[0] != p or (keys is not None and pkf[1] not in keys)}
 
     # -- a known input, replayed ----------------------------------------------------------------
+    def _replayed(self, method: str, args: list) -> None:
+        """One call of a replayed input, checked as its rule checks it."""
+        c = self.clients[0]
+        if method == "put":
+            p, keys, cols, *tag = args
+            self._put(c, p.value, keys.value, cols.value, tag[0] if tag else Value(None, "None"))
+        elif method == "get":
+            p, keys, *fields = args
+            self._expect(c, p.value, keys.value, fields[0].value if fields else None, logged=True)
+        elif method == "list":
+            self._compare_list(c, args[0].value, logged=True)
+        else:
+            self._clear(c, args[0].value, args[1].value if len(args) > 1 else None)
+
     def replay(self, calls: list[tuple[str, list]]) -> None:
         """Run `calls` (method, argument Values) as steps of this machine, the whole state read
         back after each; a failure a covering waiver takes is recorded and the replay goes on,
         as in a search."""
         self.clients.append(("t", self.backend.transport()))
         for method, args in calls:
-            try:
-                if method == "put":
-                    p, keys, cols, *tag = args
-                    self._put(self.clients[0], p.value, keys.value, cols.value,
-                              tag[0] if tag else Value(None, "None"))
-                elif method == "get":
-                    p, keys, *fields = args
-                    self._expect(self.clients[0], p.value, keys.value,
-                                 fields[0].value if fields else None, logged=True)
-                elif method == "list":
-                    self._compare_list(self.clients[0], args[0].value, logged=True)
-                else:
-                    self._clear(self.clients[0], args[0].value,
-                                args[1].value if len(args) > 1 else None)
-            except AssertionError as failure:
-                if not self._known(failure, adopt=method != "get"):
-                    raise
+            self._attempt(functools.partial(self._replayed, method, args), adopt=method != "get")
             self.store_equals_model()
 
     # -- the whole state, after every step ------------------------------------------------------
@@ -708,8 +712,6 @@ def _what_failed(message: str) -> str:
     """The call and the kind of a failure (`put raised RuntimeError`, `clear was accepted`,
     `get`): what a later finding says it came after, short of the text a waiver of the failure
     itself matches."""
-    import re
-
     m = re.match(r"(\w+) (raised \w+|was accepted)", message)
     return m.group(0) if m else message.split(":", 1)[0].split(" ", 1)[0]
 
