@@ -246,10 +246,12 @@ class StoreMachine(RuleBasedStateMachine):
                     except Exception:  # noqa: BLE001 - not readable: not held
                         continue
                     seen.setdefault(f, {})[layout] = None
-                    # a row this failure changed (or one an earlier adoption took and this
-                    # one left alone) is held from the store, not from a put the model took
+                    # a row this failure changed is held from the store, not from a put the
+                    # model took; one an earlier adoption took keeps that failure as its origin
+                    # (it may have changed since: that is what `_drifted` finds on a read)
                     was = old.rows.get(k, {}) if old else {}
-                    if f not in was or _row_differs(layout, was[f], part.rows[k][f]):
+                    if (p, k, f) not in self.adopted and (
+                            f not in was or _row_differs(layout, was[f], part.rows[k][f])):
                         self.adopted[p, k, f] = after
             for f, found in seen.items():
                 # one layout in every row: the field's, as the store holds it now (a waived put
