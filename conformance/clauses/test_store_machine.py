@@ -146,7 +146,8 @@ class StoreMachine(RuleBasedStateMachine):
         # (partition, field) a waived failure left in a state the model cannot hold (`_adopt`)
         self.unjudged: set[tuple[str, str]] = set()
         # (partition, key, field) -> the waived failure after which the model took that row from
-        # the store (`_adopt`), until a put the model accepts or a clear replaces it
+        # the store (`_adopt`), until a put or clear names it (accepted or refused: such a
+        # call's own failure is what a later difference of the row then shows)
         self.adopted: dict[tuple[str, str, str], str] = {}
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _drifted(self, p, f, after: str, why: str, src: str, check: str) -> None:
         """A row the model took from the store after a waived failure (`after`) reads back
-        other bits later, with no call in between that wrote it: as `_unsteady`, but found on
+        other bits later, with no call in between that named it: as `_unsteady`, but found on
         a later read (the bytes past a torn row change as the store reuses its memory). A
         finding of its own, waivable for one cause; the field is no longer judged."""
         self.unjudged.add((p, f))
@@ -484,6 +485,9 @@ class StoreMachine(RuleBasedStateMachine):
         model_expect, staged = self.model.check_put(p, keys, {n: v.value for n, v in
                                                              cols.items()}, tag.value)
         expect = expect or model_expect
+        for k in keys:  # rows a call names are its to change, refused or not (`adopted`)
+            for name in cols:
+                self.adopted.pop((p, k, name), None)
         out = self._call(client, "put", [_v(p), _v(keys), _columns_value(cols), tag], expect)
         if out is not _RAISED and (expect.ok or expect.may):
             self.model.apply_put(p, keys, staged, tag.value)
@@ -491,7 +495,6 @@ class StoreMachine(RuleBasedStateMachine):
                 at = {"object": ".rows[{}]", "jagged": ".unbind()[{}]"}.get(layout.kind, "[{}]")
                 for i, k in enumerate(keys):
                     self.row_source[p, k, name] = f"({cols[name].source}){at.format(i)}"
-                    self.adopted.pop((p, k, name), None)
 
     @rule(data=st.data())
     @_waivable(adopt=False)
@@ -555,13 +558,13 @@ class StoreMachine(RuleBasedStateMachine):
     def _clear(self, client, p, keys) -> None:
         expect = self.model.check_clear(p, keys)
         args = [_v(p)] if keys is None else [_v(p), _v(keys)]
+        self.adopted = {pkf: a for pkf, a in self.adopted.items()
+                        if pkf[0] != p or (keys is not None and pkf[1] not in keys)}
         out = self._call(client, "clear", args, expect)
         if out is not _RAISED and expect.ok:
             self.model.apply_clear(p, keys)
             self.row_source = {pkf: s for pkf, s in self.row_source.items()
                                if pkf[0] != p or (keys is not None and pkf[1] not in keys)}
-            self.adopted = {pkf: a for pkf, a in self.adopted.items()
-                            if pkf[0] != p or (keys is not None and pkf[1] not in keys)}
 
     # -- a known input, replayed ----------------------------------------------------------------
     def _replayed(self, method: str, args: list) -> None:
