@@ -130,3 +130,32 @@ def test_preflight_judges_the_families_the_selected_model_tests_build(monkeypatc
     assert families == ["qwen2_vl", "text"]
     assert tests == {"qwen2_vl": {"test_generation_logprobs_agree_with_prev_logprobs"},
                      "text": {"test_later_steps_ratio_is_the_policy_change"}}
+
+
+class _Trainer:
+    """Stands for what a failed model test's frames hold (tens of GB on a GPU)."""
+
+
+def _fail_holding(trainer):
+    model = trainer  # noqa: F841 (a local of the failed frame, as a clause's trainer is)
+    try:
+        raise KeyError("inner")
+    except KeyError as inner:
+        raise AssertionError("the clause failed") from inner
+
+
+def test_a_failed_tests_frames_are_let_go_before_the_next_test_reserves():
+    import sys
+    import weakref
+
+    trainer = _Trainer()
+    alive = weakref.ref(trainer)
+    try:
+        _fail_holding(trainer)
+    except AssertionError as e:  # what pytest's runner keeps for post-mortem debugging
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+    del trainer
+    assert alive() is not None, "the failure's frames hold the trainer until they are let go"
+    gm.drop_failed_frames()
+    assert alive() is None
+    assert not hasattr(sys, "last_value") and not hasattr(sys, "last_traceback")

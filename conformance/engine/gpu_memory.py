@@ -17,7 +17,9 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,6 +146,24 @@ def reservation(ledger: Ledger, gib: float, what: str) -> Iterator[float]:
         yield time.monotonic() - t0
     finally:
         ledger.release()
+
+
+def drop_failed_frames() -> None:
+    """Let go of the last failed test's frames. pytest keeps a failed test's exception in
+    `sys.last_*` (for post-mortem debugging) until the next test's call phase, after that test's
+    fixtures have reserved and built its models: the failed test's frames, and the trainers in
+    their locals, then hold tens of GB that the ledger counts as released. A mutant job fails
+    tests by design: three jobs on one H100 ran out of memory so (docs/gpu-runs/2026-12-07-h100-h)."""
+    value = getattr(sys, "last_value", None)
+    seen: set[int] = set()
+    while value is not None and id(value) not in seen:  # the chain's frames too
+        seen.add(id(value))
+        if value.__traceback__ is not None:
+            traceback.clear_frames(value.__traceback__)
+        value = value.__cause__ or value.__context__
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def fold_report(plan: dict, report: dict) -> dict:
