@@ -159,3 +159,20 @@ def test_a_failed_tests_frames_are_let_go_before_the_next_test_reserves():
     gm.drop_failed_frames()
     assert alive() is None
     assert not hasattr(sys, "last_value") and not hasattr(sys, "last_traceback")
+
+
+def test_a_cuda_tests_teardown_lets_go_of_its_failure_first():
+    import sys
+    from types import SimpleNamespace
+
+    from rlconform.conformance.engine import session
+
+    def item(device):
+        return SimpleNamespace(config=SimpleNamespace(getoption=lambda name: device))
+
+    error = AssertionError("the clause failed")
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, None
+    session.pytest_runtest_teardown(item("cpu"))
+    assert sys.last_value is error, "a CPU run keeps pytest's post-mortem state"
+    session.pytest_runtest_teardown(item("cuda:0"))
+    assert not hasattr(sys, "last_value")

@@ -225,7 +225,6 @@ def _device_memory(request):
         yield
         peak = torch.cuda.max_memory_reserved() / 2**30
         request.node.user_properties.append((GPU_PEAK_PROP, round(peak, 2)))
-        gpu_memory.drop_failed_frames()
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -149,7 +149,8 @@ def reservation(ledger: Ledger, gib: float, what: str) -> Iterator[float]:
 
 
 def drop_failed_frames() -> None:
-    """Let go of the last failed test's frames. pytest keeps a failed test's exception in
+    """Let go of the last failed test's frames (engine/session.py calls it before a CUDA test's
+    teardown). pytest keeps a failed test's exception in
     `sys.last_*` (for post-mortem debugging) until the next test's call phase, after that test's
     fixtures have reserved and built its models: the failed test's frames, and the trainers in
     their locals, then hold tens of GB that the ledger counts as released. A mutant job fails

@@ -114,6 +114,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """On CUDA, before a test's fixtures are torn down: let go of its frames if it failed
+    (gpu_memory.drop_failed_frames). The model fixture's teardown then frees the GPU cache and
+    releases the test's reservation, which is true only once nothing holds its trainers."""
+    if item.config.getoption("--device").startswith("cuda"):
+        gpu_memory.drop_failed_frames()
+
+
 def state(config: pytest.Config) -> RlconformState:
     return config.stash[STATE_KEY]
 
