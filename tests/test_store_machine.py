@@ -263,3 +263,130 @@ def test_a_store_that_reads_back_other_bits_after_a_waived_failure_fails_on_that
     # one bug and pytest would report the waived one (a Mooncake run showed the waived clear)
     assert failure.value.__context__ is None
     replay(put_refused, r"after a waived failure \(put raised RuntimeError\), two reads of field")
+
+
+class _DriftingStore:
+    """`_TornStore` whose torn rows read back the same bits until the store's next put (the
+    memory past a row is reused then): steady while the model adopts them, other bits later."""
+
+    def __new__(cls):
+        import torch
+
+        torn = _TornStore()
+        base = type(torn)
+
+        class Drifting(base):
+            epoch = 0
+
+            def put(self, partition, keys, columns, tags=None):
+                self.epoch += 1
+                return super().put(partition, keys, columns, tags)
+
+            def get(self, partition, keys, select_fields=None):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.epoch)
+                    return super().get(partition, keys, select_fields)
+
+        return Drifting()
+
+
+def test_a_row_taken_from_the_store_that_changes_later_fails_on_that():
+    """A row the model took from the store after a waived failure, steady then, that reads back
+    other bits after a later call that did not write it: a finding of its own that names the
+    waived failure (not a plain value difference no waiver can take for one cause), and the
+    field is no longer judged."""
+    import datetime as dt
+
+    from rlconform.conformance.backend import Backend
+    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
+    from rlconform.conformance.engine import verdicts
+    from rlconform.conformance.engine.waivers import Waiver
+
+    backend = Backend.from_reference("drifting", transport=_DriftingStore)
+    machine = machine_for(StoreMachine, backend, "drifting", "case")
+    calls = parse_input(
+        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
+        "t.put('q', ['a'], {'g': jagged_of(seeded(torch.float32, (1, 1), 2), [1])}, None)")
+
+    def replay(*matches: str) -> None:
+        waivers = [Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1), match=m,
+                          index=i) for i, m in enumerate(matches, 1)]
+        token = verdicts._CURRENT.set(verdicts.CoveringWaivers(waivers))
+        m = machine()
+        m.world = _input_world(calls)
+        try:
+            m.replay(calls)
+        finally:
+            m.teardown()
+            verdicts._CURRENT.reset(token)
+
+    put_refused = "put raised RuntimeError: zero-byte value refused"
+    with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
+                       r"RuntimeError\), field 'f' of a row the model took from the store then "
+                       r"reads back other bits: column 'f' row 0") as failure:
+        replay(put_refused)
+    assert "two reads" not in str(failure.value)  # steady while adopted
+    replay(put_refused, r"after a waived failure \(put raised RuntimeError\), field 'f' of a row")
+
+
+class _DanglingStore:
+    """The reference store refusing a put that holds a zero-size row, writing nothing; the
+    rows that put named keep their values until the store's next put, then read back other bits
+    (a refused put that released their memory, reused by the next one): right while the model
+    adopts them, other bits later."""
+
+    def __new__(cls):
+        import torch
+
+        from rlconform.reference_impl.dataplane import InMemoryDataPlane
+
+        class Dangling(InMemoryDataPlane):
+            dangling: set = set()
+
+            def put(self, partition, keys, columns, tags=None):
+                for p, k, name in self.dangling:  # the released memory is reused now
+                    row = self._rows.get(p, {}).get(k, {}).get(name)
+                    if row is not None:
+                        self._rows[p][k][name] = torch.randn(row.shape).to(row.dtype)
+                self.dangling = set()
+                if any(r.numel() == 0 for c in columns.values()
+                       if isinstance(c, torch.Tensor) and c.is_nested for r in c.unbind()):
+                    self.dangling = {(partition, k, n) for k in keys for n in columns}
+                    raise RuntimeError("zero-byte value refused")
+                return super().put(partition, keys, columns, tags)
+
+        return Dangling()
+
+
+def test_a_row_a_waived_put_named_that_changes_later_is_named_after_that_put():
+    """A row that reads right when the model adopts the store's state after a waived put that
+    named it, and other bits after a later put of other keys: the finding names the waived put
+    (the call that wrote the row), not a plain value difference, nor a later waived failure
+    that merely noticed it."""
+    import datetime as dt
+
+    from rlconform.conformance.backend import Backend
+    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
+    from rlconform.conformance.engine import verdicts
+    from rlconform.conformance.engine.waivers import Waiver
+
+    backend = Backend.from_reference("dangling", transport=_DanglingStore)
+    machine = machine_for(StoreMachine, backend, "dangling", "case")
+    calls = parse_input(
+        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
+        "t.put('q', ['a'], {'g': jagged_of(seeded(torch.float32, (1, 1), 2), [1])}, None)")
+    waiver = Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1),
+                    match="put raised RuntimeError: zero-byte value refused", index=1)
+    token = verdicts._CURRENT.set(verdicts.CoveringWaivers([waiver]))
+    m = machine()
+    m.world = _input_world(calls)
+    try:
+        with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
+                           r"RuntimeError\), field 'f' of a row the model took from the store "
+                           r"then reads back other bits"):
+            m.replay(calls)
+    finally:
+        m.teardown()
+        verdicts._CURRENT.reset(token)
