@@ -11,12 +11,20 @@ from the engine's output to the optimizer step (DATA_PATH lists them, function b
 | prev / reference logprobs | the logprob passes run `_generate_and_score_completions` on the shard and keep its `old_per_token_logps` / `ref_per_token_logps` (completion tokens only; 0 on prompt tokens), or none where TRL computes none (one iteration: no old logprobs; `beta == 0`: no reference) |
 | the train step | `Trainer.train` (transformers' loop: `accelerator.prepare`, the accumulation window of `GRPOTrainer.training_step` -> `_prepare_inputs` -> `_generate_and_score_completions` / TRL's micro-batch split -> `_compute_loss`, then clipping, the optimizer step and the scheduler) over a loader yielding the step's generation batch as TRL's RepeatSampler repeats one (num_iterations x steps_per_generation). TRL recomputes its old logprobs in the step itself: a stored prev_logprobs column is not read |
 | per-token probs_ratio, clamped ratio, KL, entropy, loss per token | TRL logs batch means only: `_LossLocals` reads `_compute_loss`'s own tensors at its return (`coef_1` before the `delta` clamp, `coef_2`, `per_token_kl` before ratio weighting, `entropies`, `per_token_loss`); loss and grad norm are those Trainer logs for each optimizer step |
+| data-parallel ranks (a train call of several shards) | real TRL ranks: one process per shard (`_run_ranks`, forked from the rank launcher of reference_impl/ranks.py), each with torch.distributed's env rendezvous on loopback, so the Accelerator GRPOTrainer builds is accelerate's multi-process CPU state (gloo): `Trainer.train` -> `accelerator.prepare` wraps the policy in DistributedDataParallel and TRL's gathers in `_generate_and_score_completions` (rewards, loss-token counts) are all-gathers. Each rank builds its trainer as this one (settings, variant, the saved initial policy, which is also TRL's reference), loads the driver's current weights, optimizer state and step counter, is seeded as accelerate seeds a rank (`set_seed(seed, device_specific=True)` with the call's seed) and runs the one-process path on its shard (`TRLCore.rank_step`); the driver takes Trainer's logs (the same on every rank), every rank's per-token metrics (rank order) and loads rank 0's updated weights and optimizer state |
 
 Where rlconform's rows and TRL's contract differ, the adapter's changes are stated per clause
-(`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token), and the
-data-parallel ranks of a step, emulated in one process (each shard its rank's generation batch,
-the backward scaled by 1/world, one optimizer step, TRL's generation gathers answering every
-rank's values).
+(`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token).
+
+What TRL cannot take is refused, not repaired: data-parallel shards of unequal sizes (an empty
+one too) raise ValueError naming the sizes, since each TRL rank holds
+per_device_train_batch_size x steps_per_generation rows and `_generate_and_score_completions`
+keeps rank r's rows of the all-gathered rewards at `r * len(prompts)`; several shards on a
+non-CPU device raise too (the rank processes run on the CPU, gloo). A rank that raises, dies or
+stays silent past `RLCONFORM_TRL_RANK_TIMEOUT_S` (900 s) fails the call with its traceback or
+exit, every rank process reaped first. Only the driver's process is observable to a caller:
+hooks on `trainer.model` or its optimizer see a multi-rank step only through the weights and
+optimizer state loaded afterwards.
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -27,7 +35,8 @@ epochs = `num_iterations`) of `per_device_train_batch_size x steps_per_generatio
 multiple of the micro-batch size; where it is not, the micro-batch size is the largest divisor
 of the batch's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
 global RNG; the adapter seeds each train call from `seed` and the step inside a forked RNG, so
-both trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
+both trainer paths shuffle alike (a rank process: accelerate's `set_seed` of that seed plus its
+process index, as GRPOTrainer seeds a rank; rank 0 draws as one process does). Settings TRL has no counterpart for (`max_seq_len`,
 `max_tokens_per_micro_batch`) are declared as such (`SETTINGS_UNSUPPORTED`, the trainer
 factory's `settings_unsupported`) and raise ValueError naming the field if given anyway.
 
