@@ -389,7 +389,9 @@ def test_every_entered_step_of_the_declared_path_is_called():
             settings, RecordingTransport(InMemoryDataPlane()), ReferenceCodec())
         out, _, _ = step(INDEPENDENT, "qwen2_vl", batch, trainer=trainer)
         assert out.grad_norm > GRID["grad-clip"].max_grad_norm, "the clip bound was not live"
-        trainer.train([_prepared(trainer, part) for part in _halves(batch)])
+        dataplane_step(batch, trainer, trainer.transport, ReferenceCodec(), BatchMeta,
+                       f"p-{uuid.uuid4().hex[:6]}", rewards=rewards(len(batch)),
+                       group_size=GROUP, world=2)
 
     del _RANK_COUNTS[:]
     backend = load_backend(INDEPENDENT)
