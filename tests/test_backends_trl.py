@@ -524,6 +524,74 @@ def test_two_rank_step_equals_the_one_process_step_on_the_whole_batch_and_repeat
     assert update > 0 and gap <= 1e-3 * update, f"|two - one| / |update| = {gap / update:.3g}"
 
 
+class BuiltIn:
+    """A watcher recording the process it was built in (one entry per process: 'rows')."""
+
+    across_ranks = "rows"
+
+    def __init__(self, model):
+        self.pid = os.getpid()
+
+    def remove(self):
+        return [self.pid]
+
+
+def _rel_l2(got: dict, want: dict) -> float:
+    num = sum(float((got[k].double() - want[k].double()).norm()) ** 2 for k in want) ** 0.5
+    return num / sum(float(w.double().norm()) ** 2 for w in want.values()) ** 0.5
+
+
+def test_a_two_rank_step_is_watched_in_its_ranks_with_the_reduced_gradient():
+    """The trainer's `watch` through the clauses' helper: a two-rank train call's watchers are
+    built in the two rank processes (not the driver); the gradient handed back is the one DDP's
+    all-reduce leaves, equal to the one-process gradient of the shards joined within the
+    TRAIN-SPLIT-INVARIANCE tolerance; the optimizer step (nothing clips at the default point)
+    applied exactly that gradient, from the driver's weights. (TRL's train forwards return
+    logprobs, not logits: fused_lm_head=True, so LogitCapture sees none, in any process.)"""
+    from functools import partial
+
+    from rlconform.conformance.catalogue.trainer import GRAD_RTOL
+    from rlconform.conformance.clauses._watch import GradCapture, OptimizerSteps, watching
+    from rlconform.reference_impl.grpo import dp_rows
+
+    batch = _advantaged(rollout("text", (0, 0)))
+    rows = dp_rows(batch.seq_lens.tolist(), 2)
+    one = _legacy()
+    with watching(one, [GradCapture]) as got:
+        one.train(_prepared(one, batch.select(rows[0] + rows[1])))
+    (want,) = got
+    two = _legacy()
+    initial = two.state_dict()
+    ready = [_prepared(two, batch.select(r)) for r in rows]
+    factories = [GradCapture, partial(OptimizerSteps, weights=True), BuiltIn]
+    with watching(two, factories) as records:
+        two.train(ready)
+    grad, steps, where = records
+    pids = [r["pid"] for r in two.core.last_ranks]
+    assert where == pids and os.getpid() not in where, f"built in {where}, ranks {pids}"
+    assert grad and set(grad) == set(want)
+    err = _rel_l2(grad, want)
+    assert err <= GRAD_RTOL[torch.float32], f"two-rank gradient vs one-process: {err:.3g}"
+    (step,) = steps
+    assert all(torch.equal(step.grads[k], grad[k]) for k in grad), \
+        "the optimizer applied another gradient than the one read after the backward"
+    assert all(torch.equal(step.weights[k], initial[k]) for k in initial)
+
+
+def test_ranks_records_join_as_each_watcher_declares():
+    """`_joined`: 'rows' records are the ranks' lists in rank order; 'same' records must agree
+    bitwise (rank 0's handed on), and a rank that differs fails naming where."""
+    g = {"w": torch.tensor([1.0, 2.0])}
+    assert adapter._joined([[("rows", [1]), ("same", g)], [("rows", [2, 3]), ("same", dict(g))]]
+                           ) == [[1, 2, 3], g]
+    off = {"w": torch.tensor([1.0, 2.0 + 2 ** -20])}
+    with pytest.raises(RuntimeError, match=r"watcher 0: rank 1's record differs from rank 0's "
+                                           r"at the record\['w'\]"):
+        adapter._joined([[("same", g)], [("same", off)]])
+    with pytest.raises(ValueError, match="across_ranks"):
+        adapter._joined([[("sum", 1)], [("sum", 1)]])
+
+
 def test_shards_of_unequal_sizes_are_refused_naming_them():
     batch = rollout("text", (0, 0))
     trainer = _legacy()

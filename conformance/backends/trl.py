@@ -22,9 +22,12 @@ per_device_train_batch_size x steps_per_generation rows and `_generate_and_score
 keeps rank r's rows of the all-gathered rewards at `r * len(prompts)`; several shards on a
 non-CPU device raise too (the rank processes run on the CPU, gloo). A rank that raises, dies or
 stays silent past `RLCONFORM_TRL_RANK_TIMEOUT_S` (900 s) fails the call with its traceback or
-exit, every rank process reaped first. Only the driver's process is observable to a caller:
-hooks on `trainer.model` or its optimizer see a multi-rank step only through the weights and
-optimizer state loaded afterwards.
+exit, every rank process reaped first. Hooks a caller puts on `trainer.model` or its
+optimizer see a multi-rank step only through the weights and optimizer state loaded
+afterwards; the trainer's `watch(factories)` (conformance/clauses/_watch.py) builds a caller's
+watchers in every rank process instead, on its unwrapped policy, and hands back one record per
+watcher: the gradient read once DDP's all-reduce has finished (`_reading_after_backward`), the
+optimizer steps of rank 0 (every rank's checked equal), every rank's forwards in rank order.
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -488,6 +491,7 @@ class TRLCore:
         t.create_optimizer()
         self.optimizer = t.optimizer
         self.steps = 0
+        self._watch: dict | None = None  # the open `watch`: its factories and what it saw
 
     # -- models ---------------------------------------------------------------------------
     @property
@@ -500,6 +504,25 @@ class TRLCore:
 
     def state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def watch(self, factories):
+        """The trainer surface's `watch` (conformance/clauses/_watch.py): the watchers are
+        built on this process's model for the block, as a caller builds them on
+        `trainer.model`, so a one-shard train call is watched where it runs; a train call of
+        several shards also builds them in every rank process, and the block's records are
+        then the ranks', joined (`_joined`). A block holds at most one such call: the ranks'
+        records join per call, not across calls."""
+        factories = list(factories)
+        local = [f(self.model) for f in factories]
+        self._watch = {"factories": factories, "ranked": [], "local_calls": 0}
+        records: list = []
+        try:
+            yield records
+        finally:
+            seen, self._watch = self._watch, None
+            own = [w.remove() for w in local]
+        records.extend(_watched(own, seen))
 
     # -- the generation batch, as TRL receives it -------------------------------------------
     def _configure(self, rows: int) -> tuple[int, int]:
@@ -618,6 +641,8 @@ class TRLCore:
         if not shards:
             raise ValueError("train needs at least one shard")
         if len(shards) == 1:
+            if self._watch is not None:
+                self._watch["local_calls"] += 1
             with _seeded(self.step_seed()):
                 reports = [self.rank_step(shards[0], world=1)]
         else:
@@ -731,12 +756,15 @@ class TRLCore:
         job = {"settings": self.settings, "variant": self.variant, "saved": self.saved,
                "state": self.state_dict(), "optimizer": self.optimizer.state_dict(),
                "steps": self.steps, "threads": max(1, torch.get_num_threads() // len(shards)),
-               "observers": list(_OBSERVERS)}
+               "observers": list(_OBSERVERS),
+               "watch": [] if self._watch is None else self._watch["factories"]}
         reports = _run_ranks(job, shards)
         self.model.load_state_dict(reports[0]["state"])
         self.optimizer.load_state_dict(reports[0]["optimizer"])
-        self.last_ranks = [{k: v for k, v in r.items() if k not in ("state", "optimizer")}
-                           for r in reports]
+        if self._watch is not None:
+            self._watch["ranked"].append(_joined([r["watched"] for r in reports]))
+        self.last_ranks = [{k: v for k, v in r.items()
+                            if k not in ("state", "optimizer", "watched")} for r in reports]
         for seen in _OBSERVED:
             seen.append([r["observed"] for r in reports])
         return reports
@@ -1033,9 +1061,14 @@ def _rank_job(rank: int, world: int, job: dict) -> dict:
             core.optimizer.load_state_dict(job["optimizer"])
             core.steps = job["steps"]
             set_seed(core.step_seed(), device_specific=True)
-            report = core.rank_step(job["shard"], world)
+            watchers = [f(core.model) for f in job["watch"]]  # the unwrapped policy
+            try:
+                with _reading_after_backward(core.trainer.accelerator, watchers):
+                    report = core.rank_step(job["shard"], world)
+            finally:
+                watched = [(getattr(w, "across_ranks", "same"), w.remove()) for w in watchers]
         t = core.trainer
-        report.update(rank=rank, pid=os.getpid(), observed=observed,
+        report.update(rank=rank, pid=os.getpid(), observed=observed, watched=watched,
                       num_processes=t.accelerator.num_processes,
                       process_index=t.accelerator.process_index,
                       wrapped=type(t.model_wrapped).__module__ + "."
@@ -1047,6 +1080,97 @@ def _rank_job(rank: int, world: int, job: dict) -> dict:
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _reading_after_backward(accelerator, watchers):
+    """A rank's watchers that read gradients (`after_backward`) read them again each time
+    `accelerator.backward` returns. DDP's reducer all-reduces a synchronising backward's
+    gradients in a callback the autograd engine runs at that backward's end, after the
+    parameters' accumulate hooks fired (those saw the rank's own gradient), and `backward`
+    returns only once it has finished: read there, a parameter's gradient is the reduced one,
+    before Trainer clips it. That is exact; the optimizer pre-step hook would see the clipped
+    gradient, and dividing a float32 gradient by the clip coefficient does not give back the
+    unclipped one bitwise. (A backward under no_sync leaves the rank's own accumulation: the
+    step's last backward synchronises and is read last.)"""
+    readers = [w.after_backward for w in watchers if hasattr(w, "after_backward")]
+    own = accelerator.backward
+
+    def backward(loss, **kwargs):
+        out = own(loss, **kwargs)
+        for read in readers:
+            read()
+        return out
+
+    accelerator.backward = backward
+    try:
+        yield
+    finally:
+        del accelerator.backward  # the class's method again
+
+
+def _joined(watched: list[list[tuple[str, Any]]]) -> list:
+    """One record per watcher from every rank's (rank order) of one train call, as each
+    watcher declares (`across_ranks`): "same" records (the reduced gradient, the optimizer
+    steps) must agree bitwise on every rank, and rank 0's is handed on; "rows" records (per
+    forward) are the ranks' lists, rank after rank: the order of the shards' rows in the
+    step's batch."""
+    out = []
+    for i, per_rank in enumerate(zip(*watched)):
+        rules = {rule for rule, _ in per_rank}
+        records = [record for _, record in per_rank]
+        if rules == {"rows"}:
+            out.append([x for record in records for x in record])
+            continue
+        if rules != {"same"}:
+            raise ValueError(f"watcher {i} declares across_ranks {sorted(rules)}: 'same' or "
+                             "'rows'")
+        for r, record in enumerate(records[1:], 1):
+            where = _differs(records[0], record)
+            if where is not None:
+                raise RuntimeError(f"watcher {i}: rank {r}'s record differs from rank 0's at "
+                                   f"{where} (every data-parallel rank must hold the same)")
+        out.append(records[0])
+    return out
+
+
+def _differs(a, b, at: str = "the record") -> str | None:
+    """Where two records differ, or None: tensors bitwise (dtype, shape, values), dicts,
+    sequences and dataclasses member by member, anything else by ==."""
+    import dataclasses
+
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else at
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{at} (keys)"
+        return next((d for k in a if (d := _differs(a[k], b[k], f"{at}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return f"{at} (length {len(a)} vs {len(b)})"
+        return next((d for k, (x, y) in enumerate(zip(a, b))
+                     if (d := _differs(x, y, f"{at}[{k}]"))), None)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return _differs(vars(a), vars(b), at)
+    return None if a == b else at
+
+
+def _watched(own: list, seen: dict) -> list:
+    """A `watch` block's records: this process's watchers' where no train call of several
+    shards ran in the block, else that call's joined rank records (its driver's watchers saw
+    only the weights it loaded back)."""
+    ranked, local = seen["ranked"], seen["local_calls"]
+    if not ranked:
+        return own
+    if len(ranked) > 1 or local:
+        raise RuntimeError(f"a watch block held {len(ranked) + local} train calls, "
+                           f"{len(ranked)} of them in rank processes: the ranks' records join "
+                           "per call, so a block may hold one such call and no other")
+    return ranked[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1217,6 +1341,9 @@ class _TRLTrainer:
 
     def state_dict(self):
         return self.core.state_dict()
+
+    def watch(self, factories):
+        return self.core.watch(factories)
 
 
 class TRLLegacyTrainer(_TRLTrainer):
