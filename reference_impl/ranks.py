@@ -267,7 +267,7 @@ def _recv(conn: Connection):
     return pickle.loads(conn.recv_bytes())
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """PR_SET_PDEATHSIG: a rank gets SIGKILL when its driver dies, so it cannot be orphaned."""
     try:
         import ctypes
@@ -317,6 +317,24 @@ def _forkserver():
     return _FORKSERVER
 
 
+def process_context(preload: Sequence[str] = ()):
+    """The multiprocessing context this driver's rank processes start from, for a backend that
+    starts its own (conformance/backends/trl.py): the fork server, importing `preload` too
+    (added to what it imports once; it takes effect if the server has not started yet, else a
+    rank imports them itself), or under RLCONFORM_RANK_START=exec the spawn context (fresh
+    interpreters)."""
+    global _FORKSERVER
+    import multiprocessing
+
+    if _start_method() == "exec":
+        return multiprocessing.get_context("spawn")
+    added = [m for m in preload if m not in _PRELOAD]
+    if added:
+        _PRELOAD.extend(added)
+        _FORKSERVER = None  # set the server's preload again, with them
+    return _forkserver()
+
+
 def start_launcher() -> None:
     """Start this process's rank launcher now, where ranks are forked: the fork server and
     multiprocessing's resource tracker, which then live as long as this process. For a caller
@@ -353,7 +371,7 @@ def _forked_rank_main(argv: list[str], env: dict[str, str], log: str) -> None:  
     os.close(out)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    _die_with_parent()
+    die_with_parent()
     code = rank_main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -456,7 +474,7 @@ class RankGroup:
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "rlconform.reference_impl.ranks", *argv],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    preexec_fn=_die_with_parent))
+                    preexec_fn=die_with_parent))
         accepted: list = []
         done = threading.Event()
 

@@ -46,13 +46,20 @@ def _counting(fn, counts: Counter, key: str):
 @contextlib.contextmanager
 def counting_calls(functions, counts: Counter | None = None) -> Iterator[Counter]:
     """Patch each dotted function (module functions, methods, class- and staticmethods) with a
-    wrapper that counts its calls, keeping its descriptor kind; yields the counter."""
+    wrapper that counts its calls, keeping its descriptor kind (a class: a subclass counting
+    each instance it builds); yields the counter."""
     counts = Counter() if counts is None else counts
     with contextlib.ExitStack() as stack:
         for dotted in functions:
             owner, name = resolve(dotted)
             raw = inspect.getattr_static(owner, name)
-            if isinstance(raw, classmethod):
+            if inspect.isclass(raw):
+                # a class is called to build an instance: a subclass counting its __init__
+                # keeps isinstance checks against the patched name working
+                new = type(raw.__name__, (raw,), {
+                    "__init__": _counting(raw.__init__, counts, dotted),
+                    "__module__": raw.__module__, "__qualname__": raw.__qualname__})
+            elif isinstance(raw, classmethod):
                 new = classmethod(_counting(raw.__func__, counts, dotted))
             elif isinstance(raw, staticmethod):
                 new = staticmethod(_counting(raw.__func__, counts, dotted))
@@ -62,11 +69,14 @@ def counting_calls(functions, counts: Counter | None = None) -> Iterator[Counter
         yield counts
 
 
-def assert_entered(backend, run, from_source=None) -> Counter:
+def assert_entered(backend, run, from_source=None, from_ranks=None) -> Counter:
     """Run `run()` with every entered step of `backend.data_path` counted; fail naming each one
     the run never called. `from_source(counts)`: a context manager that counts the steps an
     adapter runs from the framework's source file because their module does not import (it
-    adds to `counts` under the step's name); those are not patched by name."""
+    adds to `counts` under the step's name); those are not patched by name.
+    `from_ranks(functions, counts)`: a context manager under which the adapter's rank
+    processes count their calls of `functions` (`counting_calls`, run inside each rank) and
+    add them to `counts`: a call made in a rank process is not seen by this one."""
     entered = [s.function for s in backend.data_path if s.status == "entered"]
     assert entered, f"backend {backend.name!r} declares no entered step"
     counts: Counter = Counter()
@@ -79,7 +89,8 @@ def assert_entered(backend, run, from_source=None) -> Counter:
             continue
         importable.append(f)
     with counting_calls(importable, counts), \
-            (from_source(counts) if from_source else contextlib.nullcontext()):
+            (from_source(counts) if from_source else contextlib.nullcontext()), \
+            (from_ranks(importable, counts) if from_ranks else contextlib.nullcontext()):
         run()
     never = [f for f in entered if not counts[f]]
     assert not never, (f"{backend.name}: declared entered but never called while its surfaces "

@@ -12,6 +12,8 @@ it).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 import uuid
@@ -354,20 +356,263 @@ def test_p_a_rows_logprobs_do_not_depend_on_the_rows_beside_it():
 
 
 # -- the path the adapter takes ----------------------------------------------------------------
+_RANK_COUNTS: list = []  # each rank process's Counter of its calls, per two-rank train call
+
+
+@contextlib.contextmanager
+def _counted_in_ranks(functions, counts):
+    """`assert_entered`'s from_ranks: each rank process runs `counting_calls` on `functions`
+    around its trainer and step; its counts join `counts` (and `_RANK_COUNTS`)."""
+    from _data_path import counting_calls
+
+    with adapter.observed_in_ranks(functools.partial(counting_calls, list(functions))) as seen:
+        yield
+    for call in seen:
+        for observed in call:
+            counts.update(observed[0])
+            _RANK_COUNTS.append(observed[0])
+
+
 def test_every_entered_step_of_the_declared_path_is_called():
-    """A VLM step with every pass TRL has (independent passes) and a live clip bound."""
+    """A VLM step with every pass TRL has (independent passes) and a live clip bound, in this
+    process, then a train call of two shards: each rank process must enter every step of the
+    train path (DistributedDataParallel only there)."""
     from _data_path import assert_entered
 
     from rlconform.conformance.catalogue.trainer import GRID
 
+    settings = TrainerSettings("qwen2_vl", loss=GRID["grad-clip"])
+    batch = rollout("qwen2_vl", (1, 2))
+
     def run():
-        settings = TrainerSettings("qwen2_vl", loss=GRID["grad-clip"])
         trainer = load_backend(INDEPENDENT).trainer(
             settings, RecordingTransport(InMemoryDataPlane()), ReferenceCodec())
-        out, _, _ = step(INDEPENDENT, "qwen2_vl", rollout("qwen2_vl", (1, 2)), trainer=trainer)
+        out, _, _ = step(INDEPENDENT, "qwen2_vl", batch, trainer=trainer)
         assert out.grad_norm > GRID["grad-clip"].max_grad_norm, "the clip bound was not live"
+        dataplane_step(batch, trainer, trainer.transport, ReferenceCodec(), BatchMeta,
+                       f"p-{uuid.uuid4().hex[:6]}", rewards=rewards(len(batch)),
+                       group_size=GROUP, world=2)
 
-    assert_entered(load_backend(INDEPENDENT), run)
+    del _RANK_COUNTS[:]
+    backend = load_backend(INDEPENDENT)
+    assert_entered(backend, run, from_ranks=_counted_in_ranks)
+    assert len(_RANK_COUNTS) == 2, f"{len(_RANK_COUNTS)} rank processes reported their calls"
+    entered = [s.function for s in backend.data_path if s.status == "entered"]
+    for rank, counts in enumerate(_RANK_COUNTS):
+        never = [f for f in entered if not counts[f]]
+        assert not never, f"rank {rank} never called {never}"
+
+
+# -- data-parallel ranks: real processes -------------------------------------------------------
+def _halves(batch):
+    """The batch, with advantages, as two equal shards (the driver's length-balanced split)."""
+    from rlconform.reference_impl.grpo import dp_rows
+
+    batch = _advantaged(batch)
+    return [batch.select(r) for r in dp_rows(batch.seq_lens.tolist(), 2)]
+
+
+def _advantaged(batch):
+    return batch.replace(advantages=rewards(len(batch)) - 0.5)
+
+
+def _prepared(trainer, shard):
+    """A shard as the legacy driver hands it to train: both logprob passes."""
+    prev = trainer.compute_logprobs(shard, Stage.LOGPROB)
+    ref = trainer.compute_logprobs(shard, Stage.REFERENCE_LOGPROB)
+    return shard.replace(**{k: v for k, v in (("prev_logprobs", prev),
+                                              ("reference_logprobs", ref)) if v is not None})
+
+
+@contextlib.contextmanager
+def rank_gathers():
+    """In a rank process: what TRL's reward gather (`gather` in grpo_trainer, accelerate's)
+    returned, and the world torch.distributed holds."""
+    import torch.distributed as dist
+    import trl.trainer.grpo_trainer as grpo
+
+    seen: dict = {"gathered": []}
+    own = grpo.gather
+
+    def gather(tensor):
+        out = own(tensor)
+        seen["gathered"].append((tensor.detach().clone(), out.detach().clone()))
+        return out
+
+    grpo.gather = gather
+    try:
+        yield seen
+        seen["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    finally:
+        grpo.gather = own
+
+
+def raise_in_rank_1():
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rlconform test: rank 1 fails on purpose")
+    return contextlib.nullcontext()
+
+
+def _legacy(variant="trl", family="text"):
+    return load_backend(variant).trainer(TrainerSettings(family))
+
+
+def test_two_shards_train_in_two_rank_processes_with_ddp_and_real_all_gathers():
+    batch = rollout("text", (0, 0))
+    shards = _halves(batch)
+    trainer = _legacy()
+    ready = [_prepared(trainer, s) for s in shards]
+    with adapter.observed_in_ranks(rank_gathers) as seen:
+        trainer.train(ready)
+    ranks = trainer.core.last_ranks
+    pids = {r["pid"] for r in ranks}
+    assert len(pids) == 2 and os.getpid() not in pids, f"rank pids {pids}"
+    assert [r["rank"] for r in ranks] == [r["process_index"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["num_processes"] == 2
+        assert r["wrapped"] == "torch.nn.parallel.distributed.DistributedDataParallel", r
+    (call,) = seen
+    every = torch.cat([s["advantages"] for s in ready]).view(-1, 1)
+    for rank, (observed,) in enumerate(call):
+        assert observed["world"] == 2
+        own, gathered = observed["gathered"][0]  # the rewards of each row (its advantage)
+        assert torch.equal(own.cpu(), ready[rank]["advantages"].view(-1, 1)), \
+            f"rank {rank} scored other rows than its shard's"
+        assert torch.equal(gathered.cpu(), every), \
+            f"rank {rank}'s gathered rewards {gathered.flatten().tolist()} are not both " \
+            f"ranks' rows {every.flatten().tolist()}"
+        tokens = sum(int(s["token_mask"].sum()) for s in ready)
+        assert ranks[rank]["items"][0] == tokens, "num_items_in_batch is not the step's"
+
+
+def test_two_rank_step_equals_the_one_process_step_on_the_whole_batch_and_repeats():
+    """dapo with equal shards: each rank divides its token sum by num_items_in_batch /
+    num_processes (the step's tokens over both ranks, halved) and DDP averages the two
+    gradients, so the step is the one-process step on the concatenated batch (advantages
+    centred over all rows either way: the step's rows are one group); Trainer logs the mean of
+    the ranks' losses, which is that step's loss. Equal within float rounding; two runs of the
+    two-rank step are bitwise equal."""
+    from rlconform.reference_impl.grpo import dp_rows
+
+    batch = _advantaged(rollout("text", (0, 0)))
+    rows = dp_rows(batch.seq_lens.tolist(), 2)
+    shards = [batch.select(r) for r in rows]
+    one = _legacy()
+    initial = one.state_dict()
+    joined = _prepared(one, batch.select(rows[0] + rows[1]))  # the shards, concatenated
+    a = one.train(joined)
+    runs = []
+    for _ in range(2):
+        two = _legacy()
+        runs.append((two.train([_prepared(two, s) for s in shards]), two.state_dict()))
+    (b, wb), (c, wc) = runs
+    assert b.loss == c.loss and b.grad_norm == c.grad_norm
+    assert all(torch.equal(wb[k], wc[k]) for k in wb), "two two-rank runs differ"
+    for k in b.metrics:
+        assert torch.equal(b.metrics[k], c.metrics[k]), k
+    assert abs(b.loss - a.loss) <= 1e-6 + 1e-5 * abs(a.loss), (b.loss, a.loss)
+    assert abs(b.grad_norm - a.grad_norm) <= 1e-5 * a.grad_norm, (b.grad_norm, a.grad_norm)
+    assert b.extra["normalizer"] == a.extra["normalizer"] == int(joined["token_mask"].sum())
+    for k in ("loss_per_token", "probs_ratio"):
+        assert torch.allclose(b.metrics[k].sort().values, a.metrics[k].sort().values,
+                              atol=1e-6), k
+    wa = one.state_dict()
+    gap = sum(float((wb[k].float() - wa[k].float()).norm()) ** 2 for k in wa) ** 0.5
+    update = sum(float((wa[k].float() - initial[k].float()).norm()) ** 2 for k in wa) ** 0.5
+    assert update > 0 and gap <= 1e-3 * update, f"|two - one| / |update| = {gap / update:.3g}"
+
+
+class BuiltIn:
+    """A watcher recording the process it was built in (one entry per process: 'rows')."""
+
+    across_ranks = "rows"
+
+    def __init__(self, model):
+        self.pid = os.getpid()
+
+    def remove(self):
+        return [self.pid]
+
+
+def _rel_l2(got: dict, want: dict) -> float:
+    num = sum(float((got[k].double() - want[k].double()).norm()) ** 2 for k in want) ** 0.5
+    return num / sum(float(w.double().norm()) ** 2 for w in want.values()) ** 0.5
+
+
+def test_a_two_rank_step_is_watched_in_its_ranks_with_the_reduced_gradient():
+    """The trainer's `watch` through the clauses' helper: a two-rank train call's watchers are
+    built in the two rank processes (not the driver); the gradient handed back is the one DDP's
+    all-reduce leaves, equal to the one-process gradient of the shards joined within the
+    TRAIN-SPLIT-INVARIANCE tolerance; the optimizer step (nothing clips at the default point)
+    applied exactly that gradient, from the driver's weights. (TRL's train forwards return
+    logprobs, not logits: fused_lm_head=True, so LogitCapture sees none, in any process.)"""
+    from functools import partial
+
+    from rlconform.conformance.catalogue.trainer import GRAD_RTOL
+    from rlconform.conformance.clauses._watch import GradCapture, OptimizerSteps, watching
+    from rlconform.reference_impl.grpo import dp_rows
+
+    batch = _advantaged(rollout("text", (0, 0)))
+    rows = dp_rows(batch.seq_lens.tolist(), 2)
+    one = _legacy()
+    with watching(one, [GradCapture]) as got:
+        one.train(_prepared(one, batch.select(rows[0] + rows[1])))
+    (want,) = got
+    two = _legacy()
+    initial = two.state_dict()
+    ready = [_prepared(two, batch.select(r)) for r in rows]
+    factories = [GradCapture, partial(OptimizerSteps, weights=True), BuiltIn]
+    with watching(two, factories) as records:
+        two.train(ready)
+    grad, steps, where = records
+    pids = [r["pid"] for r in two.core.last_ranks]
+    assert where == pids and os.getpid() not in where, f"built in {where}, ranks {pids}"
+    assert grad and set(grad) == set(want)
+    err = _rel_l2(grad, want)
+    assert err <= GRAD_RTOL[torch.float32], f"two-rank gradient vs one-process: {err:.3g}"
+    (step,) = steps
+    assert all(torch.equal(step.grads[k], grad[k]) for k in grad), \
+        "the optimizer applied another gradient than the one read after the backward"
+    assert all(torch.equal(step.weights[k], initial[k]) for k in initial)
+
+
+def test_ranks_records_join_as_each_watcher_declares():
+    """`_joined`: 'rows' records are the ranks' lists in rank order; 'same' records must agree
+    bitwise (rank 0's handed on), and a rank that differs fails naming where."""
+    g = {"w": torch.tensor([1.0, 2.0])}
+    assert adapter._joined([[("rows", [1]), ("same", g)], [("rows", [2, 3]), ("same", dict(g))]]
+                           ) == [[1, 2, 3], g]
+    off = {"w": torch.tensor([1.0, 2.0 + 2 ** -20])}
+    with pytest.raises(RuntimeError, match=r"watcher 0: rank 1's record differs from rank 0's "
+                                           r"at the record\['w'\]"):
+        adapter._joined([[("same", g)], [("same", off)]])
+    with pytest.raises(ValueError, match="across_ranks"):
+        adapter._joined([[("sum", 1)], [("sum", 1)]])
+
+
+def test_shards_of_unequal_sizes_are_refused_naming_them():
+    batch = rollout("text", (0, 0))
+    trainer = _legacy()
+    with pytest.raises(ValueError, match=r"shards of \[3, 1\] rows"):
+        trainer.train([batch.select([0, 1, 2]), batch.select([3])])
+
+
+def test_a_failing_rank_fails_the_call_naming_it_and_no_rank_is_left():
+    from rlconform.conformance.backends._procs import descendants
+
+    batch = rollout("text", (0, 0))
+    trainer = _legacy()
+    before = descendants()
+    with adapter.observed_in_ranks(raise_in_rank_1), \
+            pytest.raises(RuntimeError, match=r"rank 1 of 2 \(pid \d+\) raised:(.|\n)*"
+                                              r"rank 1 fails on purpose"):
+        trainer.train(_halves(batch))
+    from rlconform.reference_impl.ranks import launcher_pids
+
+    left = descendants() - before - launcher_pids()
+    assert not left, f"rank processes left running: {left}"
 
 
 def test_trl_trains_on_the_given_advantages_less_their_mean(monkeypatch):

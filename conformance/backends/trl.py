@@ -11,12 +11,23 @@ from the engine's output to the optimizer step (DATA_PATH lists them, function b
 | prev / reference logprobs | the logprob passes run `_generate_and_score_completions` on the shard and keep its `old_per_token_logps` / `ref_per_token_logps` (completion tokens only; 0 on prompt tokens), or none where TRL computes none (one iteration: no old logprobs; `beta == 0`: no reference) |
 | the train step | `Trainer.train` (transformers' loop: `accelerator.prepare`, the accumulation window of `GRPOTrainer.training_step` -> `_prepare_inputs` -> `_generate_and_score_completions` / TRL's micro-batch split -> `_compute_loss`, then clipping, the optimizer step and the scheduler) over a loader yielding the step's generation batch as TRL's RepeatSampler repeats one (num_iterations x steps_per_generation). TRL recomputes its old logprobs in the step itself: a stored prev_logprobs column is not read |
 | per-token probs_ratio, clamped ratio, KL, entropy, loss per token | TRL logs batch means only: `_LossLocals` reads `_compute_loss`'s own tensors at its return (`coef_1` before the `delta` clamp, `coef_2`, `per_token_kl` before ratio weighting, `entropies`, `per_token_loss`); loss and grad norm are those Trainer logs for each optimizer step |
+| data-parallel ranks (a train call of several shards) | real TRL ranks: one process per shard (`_run_ranks`, forked from the rank launcher of reference_impl/ranks.py), each with torch.distributed's env rendezvous on loopback, so the Accelerator GRPOTrainer builds is accelerate's multi-process CPU state (gloo): `Trainer.train` -> `accelerator.prepare` wraps the policy in DistributedDataParallel and TRL's gathers in `_generate_and_score_completions` (rewards, loss-token counts) are all-gathers. Each rank builds its trainer as this one (settings, variant, the saved initial policy, which is also TRL's reference), loads the driver's current weights, optimizer state and step counter, is seeded as accelerate seeds a rank (`set_seed(seed, device_specific=True)` with the call's seed) and runs the one-process path on its shard (`TRLCore.rank_step`); the driver takes Trainer's logs (the same on every rank), every rank's per-token metrics (rank order) and loads rank 0's updated weights and optimizer state |
 
 Where rlconform's rows and TRL's contract differ, the adapter's changes are stated per clause
-(`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token), and the
-data-parallel ranks of a step, emulated in one process (each shard its rank's generation batch,
-the backward scaled by 1/world, one optimizer step, TRL's generation gathers answering every
-rank's values).
+(`NORMALISATIONS`): an empty completion (TRL's `_generate` indexes its last token).
+
+What TRL cannot take is refused, not repaired: data-parallel shards of unequal sizes (an empty
+one too) raise ValueError naming the sizes, since each TRL rank holds
+per_device_train_batch_size x steps_per_generation rows and `_generate_and_score_completions`
+keeps rank r's rows of the all-gathered rewards at `r * len(prompts)`; several shards on a
+non-CPU device raise too (the rank processes run on the CPU, gloo). A rank that raises, dies or
+stays silent past `RLCONFORM_TRL_RANK_TIMEOUT_S` (900 s) fails the call with its traceback or
+exit, every rank process reaped first. Hooks a caller puts on `trainer.model` or its
+optimizer see a multi-rank step only through the weights and optimizer state loaded
+afterwards; the trainer's `watch(factories)` (conformance/clauses/_watch.py) builds a caller's
+watchers in every rank process instead, on its unwrapped policy, and hands back one record per
+watcher: the gradient read once DDP's all-reduce has finished (`_reading_after_backward`), the
+optimizer steps of rank 0 (every rank's checked equal), every rank's forwards in rank order.
 
 Configuration: `settings` map onto `GRPOConfig` (`micro_batch_size` ->
 per_device_train_batch_size, `lr`, `seed`, `settings.loss` through `trl_options`; `dtype`
@@ -27,7 +38,8 @@ epochs = `num_iterations`) of `per_device_train_batch_size x steps_per_generatio
 multiple of the micro-batch size; where it is not, the micro-batch size is the largest divisor
 of the batch's rows that is <= `micro_batch_size`. TRL's `shuffle_sequence_dict` draws from the
 global RNG; the adapter seeds each train call from `seed` and the step inside a forked RNG, so
-both trainer paths shuffle alike. Settings TRL has no counterpart for (`max_seq_len`,
+both trainer paths shuffle alike (a rank process: accelerate's `set_seed` of that seed plus its
+process index, as GRPOTrainer seeds a rank; rank 0 draws as one process does). Settings TRL has no counterpart for (`max_seq_len`,
 `max_tokens_per_micro_batch`) are declared as such (`SETTINGS_UNSUPPORTED`, the trainer
 factory's `settings_unsupported`) and raise ValueError naming the field if given anyway.
 
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import pickle
 import random
 import sys
 import tempfile
@@ -90,28 +103,17 @@ DATA_PATH = (
     PathStep("transformers.Trainer.create_optimizer", "entered", surface="trainer"),
     PathStep("transformers.Trainer._clip_grad_norm", "entered", surface="trainer"),
     PathStep("accelerate.Accelerator.clip_grad_norm_", "entered", surface="trainer"),
-    PathStep("torch.nn.parallel.DistributedDataParallel", "rebuilt",
-             "TRL's data-parallel ranks are processes `accelerate launch` starts, the policy "
-             "wrapped in DDP (gloo on CPU); none is started here: each shard trains as one "
-             "rank sees it, in one process (its own generation batch through "
-             "_generate_and_score_completions, its own _step / _buffered_inputs, its "
-             "micro-steps in the accumulation window), each rank's backward scaled by 1/world "
-             "(DDP's gradient mean) and one optimizer step over the summed gradients; TRL's "
-             "gathers in _generate_and_score_completions (rewards, loss-token counts) answer "
-             "every rank's values, each taken by TRL's own generation of that rank's batch "
-             "before the step, and num_processes is the world (_RankAccelerator)", "trainer"),
+    PathStep("torch.nn.parallel.DistributedDataParallel", "entered",
+             "real ranks over gloo on the CPU: a train call of several shards starts one "
+             "process per shard, each a TRL rank of accelerate's multi-process CPU state "
+             "(Accelerator.prepare wraps its policy in DDP; TRL's gathers are all-gathers)",
+             "trainer"),
 )
 _EMPTY_COMPLETION = (
     "a row with an empty completion (no loss token) reaches TRL's rollout_func as one pad "
     "token outside env_mask: GRPOTrainer._generate reads ids[-1] of every completion and "
     "raises IndexError on an empty one (docs/upstream/trl-empty-completion.py); the token "
     "is past the row's end, in no loss term, and left out of the logprob columns")
-_ONE_PROCESS = (
-    "the step's data-parallel ranks are emulated in one process (DATA_PATH: "
-    "DistributedDataParallel): each shard is its rank's generation batch, gradients are "
-    "averaged over the ranks, and TRL's gathers in _generate_and_score_completions are "
-    "emulated all-gathers of every rank's values (advantages centred and loss tokens counted "
-    "over the step); metrics TRL gathers in _compute_loss see the rank's own")
 # What the adapter changes between rlconform's rows and TRL before a clause judges the result
 NORMALISATIONS = {
     **{cid: _EMPTY_COMPLETION for cid in (
@@ -120,9 +122,6 @@ NORMALISATIONS = {
         "TRAIN-RATIO-LATER-STEPS", "TRAIN-ORDER-FREE", "TRAIN-SPLIT-INVARIANCE",
         "GEN-REFIT-SYNC")},
 }
-for _cid in ("TRAIN-LEGACY-PARITY", "TRAIN-SPLIT-INVARIANCE", "TRAIN-ORDER-FREE",
-             "TRAIN-GRAD-RECOMPUTE"):
-    NORMALISATIONS[_cid] += "; " + _ONE_PROCESS
 
 TRL_VERSION = "1.16.0"
 REQUIREMENTS = (f"trl=={TRL_VERSION}",)
@@ -420,24 +419,15 @@ def advantage(prompts, completions, advantage, **kwargs):
     return [0.0 if a is None else a for a in advantage]
 
 
-@dataclass
-class _Rank:
-    """One data-parallel rank's generation batch and the per-process state TRL keeps of it."""
-
-    batch: Any
-    rows: EngineRows
-    inputs: list[dict]
-    micro_batch_size: int
-    micro_steps: int
-    step: int = 0  # GRPOTrainer._step
-    buffered: Any = None  # GRPOTrainer._buffered_inputs
-
-
 class TRLCore:
     """A `GRPOTrainer` around a tiny fixture family, run as a TRL caller with an external
     engine runs it (see the module docstring)."""
 
-    def __init__(self, settings, variant: Variant, model=None):
+    def __init__(self, settings, variant: Variant, model=None, saved: tuple | None = None):
+        """`saved`: another TRLCore's `saved` (its policy class and the folder it saved its
+        initial policy and processor in); a rank process builds its trainer from it, so its
+        policy and TRL's reference model (reloaded from `config._name_or_path`) are the
+        driver's own."""
         import torch
 
         for name, why in SETTINGS_UNSUPPORTED.items():
@@ -456,11 +446,17 @@ class TRLCore:
         self.family = build_family(settings.family)
         self._dir = tempfile.TemporaryDirectory(prefix="rlconform-trl-")
         path = self._dir.name
-        if model is None:
-            model = self.family.build_model(seed=settings.seed, dtype=settings.dtype)
-        self.family.save(path, model.cpu())
-        policy = type(model).from_pretrained(path, attn_implementation="eager",
-                                             dtype=settings.dtype)
+        if saved is None:
+            if model is None:
+                model = self.family.build_model(seed=settings.seed, dtype=settings.dtype)
+            self.family.save(path, model.cpu())
+            policy = type(model).from_pretrained(path, attn_implementation="eager",
+                                                 dtype=settings.dtype)
+        else:
+            policy_class, saved = saved
+            policy = policy_class.from_pretrained(saved, attn_implementation="eager",
+                                                  dtype=settings.dtype)
+        self.saved = (type(policy), path if saved is None else saved)
         m = settings.micro_batch_size
         if m <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {m}")
@@ -495,6 +491,7 @@ class TRLCore:
         t.create_optimizer()
         self.optimizer = t.optimizer
         self.steps = 0
+        self._watch: dict | None = None  # the open `watch`: its factories and what it saw
 
     # -- models ---------------------------------------------------------------------------
     @property
@@ -507,6 +504,25 @@ class TRLCore:
 
     def state_dict(self):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    @contextlib.contextmanager
+    def watch(self, factories):
+        """The trainer surface's `watch` (conformance/clauses/_watch.py): the watchers are
+        built on this process's model for the block, as a caller builds them on
+        `trainer.model`, so a one-shard train call is watched where it runs; a train call of
+        several shards also builds them in every rank process, and the block's records are
+        then the ranks', joined (`_joined`). A block holds at most one such call: the ranks'
+        records join per call, not across calls."""
+        factories = list(factories)
+        local = [f(self.model) for f in factories]
+        self._watch = {"factories": factories, "ranked": [], "local_calls": 0}
+        records: list = []
+        try:
+            yield records
+        finally:
+            seen, self._watch = self._watch, None
+            own = [w.remove() for w in local]
+        records.extend(_watched(own, seen))
 
     # -- the generation batch, as TRL receives it -------------------------------------------
     def _configure(self, rows: int) -> tuple[int, int]:
@@ -618,117 +634,140 @@ class TRLCore:
 
     def train(self, shards):
         """Every optimizer step of one generation batch (the point's epochs: TRL's
-        num_iterations) through `Trainer.train`, each data-parallel shard as one rank sees it
-        (see DATA_PATH on data parallelism)."""
-        from rlconform.reference_impl.trainer import StepResult
+        num_iterations) through `Trainer.train`. One shard: in this process. Several: each
+        shard is the generation batch of a real data-parallel rank of TRL, a process of its
+        own (`_train_in_ranks`); this trainer then holds rank 0's updated policy and optimizer
+        state (every rank holds the same after DDP's all-reduce)."""
+        if not shards:
+            raise ValueError("train needs at least one shard")
+        if len(shards) == 1:
+            if self._watch is not None:
+                self._watch["local_calls"] += 1
+            with _seeded(self.step_seed()):
+                reports = [self.rank_step(shards[0], world=1)]
+        else:
+            reports = self._train_in_ranks(list(shards))
+        return self._results(reports)
 
-        world = len(shards)
+    def rank_step(self, shard, world: int) -> dict:
+        """One rank's part of a train call, as a TRL rank runs it: its generation batch (the
+        shard) yielded by the loader stand-in as RepeatSampler repeats one (num_iterations x
+        steps_per_generation), TRL's own rollout_func / processor stand-in serving it, and
+        `Trainer.train` taking every step. In a rank process (`world` > 1) TRL's accelerator
+        is the real multi-process one: `accelerator.prepare` wraps the policy in
+        DistributedDataParallel and every gather in `_generate_and_score_completions` is an
+        all-gather over the ranks.
+
+        Returns what the driver reads: Trainer's logs of each optimizer step (its loss, the
+        mean over ranks, and grad norm), the per-token metrics of each `_compute_loss` call
+        (`metrics` of the frames `_LossLocals` sees, in call order) and the
+        `num_items_in_batch` of each call (TRL's loss-token count of the step, summed over the
+        ranks by its gather)."""
         stage = _stage().TRAIN
-        ranks = []
-        for shard in shards:
-            if not len(shard):
-                continue  # an empty rank adds no gradient; DDP still divides by the world
-            batch, rows, inputs = self._generation(_without_none(shard), stage)
-            m = micro_batch_size(len(batch), self.settings.micro_batch_size)
-            ranks.append(_Rank(batch, rows, inputs, m, len(batch) // m))
-        if not ranks:
+        batch, rows, inputs = self._generation(_without_none(shard), stage)
+        if not len(batch):
             raise ValueError("train needs at least one row")
         epochs = self.settings.loss.epochs
-        window = sum(r.micro_steps for r in ranks)  # micro-steps of one optimizer step
-        t = self.trainer
-        a = self.args
-        total = sum(len(r.batch) for r in ranks)
-        peers = self._gathered_values(ranks, world, stage) if world > 1 else None
-        a.gradient_accumulation_steps, a.max_steps = window, epochs
-        # the loader yields, per optimizer step, each rank's generation batch once per micro-step
-        # it serves (rank order); each rank's batch repeats as RepeatSampler repeats one
-        # (num_iterations x steps_per_generation)
-        loader = [r.inputs for _ in range(epochs) for r in ranks for _ in range(r.micro_steps)]
-        slots = [r for _ in range(epochs) for r in ranks for _ in range(r.micro_steps)]
-        step = type(t).training_step.__get__(t)
-
-        def rank_step(model, inputs, num_items_in_batch):
-            """One micro-step of the rank whose generation batch `inputs` is: TRL's per-process
-            state of a generation batch (its micro-step counter and buffer, its batch and
-            accumulation sizes) swapped in around GRPOTrainer.training_step."""
-            r = slots.pop(0)
-            self._rank_config(r, total)
-            t._step, t._buffered_inputs = r.step, r.buffered
-            window_steps = t.current_gradient_accumulation_steps
-            t.current_gradient_accumulation_steps = r.micro_steps
-            try:
-                with self.serving(r.batch, r.rows, stage), \
-                        _as_rank(t, world, None if peers is None else peers[ranks.index(r)]):
-                    return step(model, inputs, num_items_in_batch)
-            finally:
-                r.step, r.buffered = t._step, t._buffered_inputs
-                t.current_gradient_accumulation_steps = window_steps
-                a.gradient_accumulation_steps = window
-
+        m = micro_batch_size(len(batch), self.settings.micro_batch_size)
+        n = len(batch) // m  # micro-steps of one optimizer step
+        t, a = self.trainer, self.args
+        # the generation batch's sizes, written into TRL's args as a TRL user configures them:
+        # generation_batch_size counts every rank's rows, and the step's rows over every rank
+        # are one group of num_generations (the driver grouped and scored them)
+        a.per_device_train_batch_size = m
+        a.steps_per_generation = a.gradient_accumulation_steps = n
+        a.generation_batch_size = a.num_generations = t.num_generations = len(batch) * world
+        a.max_steps = epochs
+        # TRL's per-process state of a generation batch: its micro-step counter and buffer
+        t._step, t._buffered_inputs = 0, None
+        loader = [inputs] * (epochs * n)
         t.get_train_dataloader = lambda: loader
-        t.training_step = rank_step
         del self.logs[:]
         seen = _LossLocals()
         try:
-            with _seeded(self.step_seed()), _ddp_mean(t.model, world), seen:
+            with self.serving(batch, rows, stage), seen:
                 t.train()
         finally:
-            for name in ("get_train_dataloader", "training_step"):
-                t.__dict__.pop(name, None)
+            t.__dict__.pop("get_train_dataloader", None)
         logged = [entry for entry in self.logs if "grad_norm" in entry]
-        if len(logged) != epochs or len(seen.calls) != epochs * window:
+        if len(logged) != epochs or len(seen.calls) != epochs * n:
             raise RuntimeError(f"TRL ran {len(logged)} optimizer steps and {len(seen.calls)} "
-                               f"loss computations for {epochs} x {window}")
+                               f"loss computations for {epochs} x {n}")
+        return {"logs": logged,
+                "metrics": [{k: v.detach().cpu() for k, v in self.metrics(f).items()}
+                            for f in seen.calls],
+                "items": [float(f["inputs"]["num_items_in_batch"]) for f in seen.calls]}
+
+    def _results(self, reports: list[dict]) -> Any:
+        """The StepResult of each optimizer step from the ranks' reports (rank order): loss
+        and grad norm as Trainer logs them (the same on every rank), the per-token metrics of
+        every rank's micro-steps of the step, rank after rank, and TRL's loss-token count."""
+        from rlconform.reference_impl.trainer import StepResult
+
+        epochs = self.settings.loss.epochs
         results = []
-        for k, entry in enumerate(logged):
+        for k, entry in enumerate(reports[0]["logs"]):
             metrics: dict = {}
-            calls = seen.calls[k * window:(k + 1) * window]
-            for frame in calls:
-                for name, v in self.metrics(frame).items():
-                    metrics.setdefault(name, []).append(v.cpu())
-            # each rank's token count (its first micro-batch's num_items_in_batch)
-            items, at = 0.0, 0
-            for r in ranks:
-                items += float(calls[at]["inputs"]["num_items_in_batch"])
-                at += r.micro_steps
+            for rep in reports:
+                window = len(rep["metrics"]) // epochs
+                for frame in rep["metrics"][k * window:(k + 1) * window]:
+                    for name, v in frame.items():
+                        metrics.setdefault(name, []).append(v)
+            window = len(reports[0]["items"]) // epochs
             self.steps += 1
-            # Trainer logs the mean of the ranks' losses (nested_gather(tr_loss).mean()); here
-            # the window summed every rank's
             results.append(StepResult(
-                float(entry["loss"]) / world,
-                {name: torch_cat(v) for name, v in metrics.items()},
-                float(entry["grad_norm"]), {"normalizer": items, "step": self.steps}))
+                float(entry["loss"]), {name: torch_cat(v) for name, v in metrics.items()},
+                float(entry["grad_norm"]),
+                {"normalizer": reports[0]["items"][k * window], "step": self.steps}))
         first = results[0]
         if len(results) > 1:
             first.extra["optimizer_steps"] = results
         return first
 
-    def _rank_config(self, rank: _Rank, total: int) -> None:
-        """A rank's generation batch sizes, written into TRL's args the way a TRL user would
-        configure them; the step's rows over every rank are one group of num_generations (the
-        driver grouped and scored them)."""
-        a = self.args
-        a.per_device_train_batch_size = rank.micro_batch_size
-        a.steps_per_generation = a.gradient_accumulation_steps = rank.micro_steps
-        a.generation_batch_size = len(rank.batch)
-        a.num_generations = self.trainer.num_generations = total
+    def _train_in_ranks(self, shards: list) -> list[dict]:
+        """`len(shards)` real data-parallel ranks of TRL, one process each (see
+        `_rank_process`): rank r trains on shards[r] from this trainer's weights, optimizer
+        state and step counter; this trainer then loads rank 0's updated weights and optimizer
+        state. Returns the ranks' reports, rank order.
 
-    def _gathered_values(self, ranks, world: int, stage) -> list[list]:
-        """What each rank hands each `accelerator.gather` of `_generate_and_score_completions`
-        (in call order): TRL's own generation of every rank's batch, run once before the step
-        with each gather answering the rank's own value. The step's generation then gathers
-        them as an all-gather would (`_as_rank`). Everything it gathers (rewards, truncation
-        flags, loss-token counts, their metrics) comes from the rows, not from the weights."""
-        t = self.trainer
-        out = []
-        for r in ranks:
-            self._rank_config(r, len(r.batch))  # a gather of one rank: its rows one group
-            t.model.train()
-            with self.serving(r.batch, r.rows, stage), _as_rank(t, world, None) as local:
-                t._generate_and_score_completions(r.inputs)
-            out.append(local.sent_last)
-        return [[[v for q, v in enumerate(sent) if q != i] for sent in zip(*out)]
-                for i in range(len(ranks))]
+        TRL's ranks each hold per_device_train_batch_size x steps_per_generation rows of the
+        generation batch (GRPOConfig's generation_batch_size is that times num_processes):
+        `_generate_and_score_completions` all-gathers every rank's rewards and keeps its own
+        rows as `advantages[process_index * len(prompts):...]`, and accelerate's gather over
+        gloo takes one shape from every rank, so shards of unequal sizes (an empty one too) are
+        no TRL configuration. They are refused (ValueError naming the sizes), never padded.
+        """
+        import torch
+
+        sizes = [len(s) for s in shards]
+        if len(set(sizes)) > 1 or not sizes[0]:
+            raise ValueError(
+                f"TRL {TRL_VERSION} cannot train data-parallel shards of {sizes} rows: each "
+                "rank of GRPOTrainer holds per_device_train_batch_size x steps_per_generation "
+                "rows (GRPOConfig.generation_batch_size is that times num_processes); "
+                "_generate_and_score_completions all-gathers the ranks' rewards (accelerate's "
+                "gather needs one shape on every rank) and keeps rank r's rows as "
+                "advantages[r * len(prompts):(r + 1) * len(prompts)]")
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"the TRL adapter's rank processes run on the CPU (gloo); the device is "
+                f"{self.device}: {len(shards)} data-parallel shards need one process per GPU, "
+                "which this adapter does not launch")
+        job = {"settings": self.settings, "variant": self.variant, "saved": self.saved,
+               "state": self.state_dict(), "optimizer": self.optimizer.state_dict(),
+               "steps": self.steps, "threads": max(1, torch.get_num_threads() // len(shards)),
+               "observers": list(_OBSERVERS),
+               "watch": [] if self._watch is None else self._watch["factories"]}
+        reports = _run_ranks(job, shards)
+        self.model.load_state_dict(reports[0]["state"])
+        self.optimizer.load_state_dict(reports[0]["optimizer"])
+        if self._watch is not None:
+            self._watch["ranked"].append(_joined([r["watched"] for r in reports]))
+        self.last_ranks = [{k: v for k, v in r.items()
+                            if k not in ("state", "optimizer", "watched")} for r in reports]
+        for seen in _OBSERVED:
+            seen.append([r["observed"] for r in reports])
+        return reports
 
     def metrics(self, frame: dict) -> dict:
         """TRL's own per-token values of one `_compute_loss` call, over its loss tokens: the
@@ -822,98 +861,6 @@ class _LossLocals:
         return False
 
 
-class _RankAccelerator:
-    """The trainer's Accelerator as one emulated data-parallel rank sees it: `num_processes` is
-    the world, and inside `_generate_and_score_completions` (`generation`) each `gather` is an
-    all-gather of this rank's value with the other ranks' values of the same call (`others[k]`
-    for the k-th call: a list, one per other rank), this rank's first, so TRL's
-    `process_index * len(prompts)` slice (process_index 0) takes its own rows whatever the
-    ranks' sizes; TRL reduces what it gathers there over the whole step (sums, the mean of one
-    group), where the order of the ranks does not matter. `others` None: each gather there
-    answers the rank's own value and records it (`sent`). Outside the generation (the metrics
-    `_compute_loss` logs, which the adapter does not read) a gather answers the rank's own."""
-
-    def __init__(self, accelerator, world: int, others: list | None):
-        self._accelerator, self._world, self._others = accelerator, world, others
-        self.sent: list | None = None
-
-    @property
-    def num_processes(self) -> int:
-        return self._world
-
-    @contextlib.contextmanager
-    def generation(self):
-        self.sent = []
-        try:
-            yield
-        finally:
-            self.sent_last, self.sent = self.sent, None
-
-    def gather(self, tensor):
-        import torch
-
-        if self.sent is None:
-            return self._accelerator.gather(tensor)
-        k = len(self.sent)
-        self.sent.append(tensor.detach().clone())
-        if self._others is None:
-            return tensor
-        if k >= len(self._others):
-            raise RuntimeError(f"gather call {k} of an emulated rank has no counterpart on the "
-                               "other ranks (their generation gathered fewer values)")
-        peers = [p.to(tensor.device) for p in self._others[k]]
-        if tensor.dim() == 0:
-            return torch.stack([tensor, *peers])
-        return torch.cat([tensor, *peers])
-
-    def __getattr__(self, name):
-        return getattr(self._accelerator, name)
-
-
-@contextlib.contextmanager
-def _as_rank(trainer, world: int, others: list | None):
-    """`trainer.accelerator` and GRPOTrainer's `gather` as one of `world` emulated ranks
-    (`_RankAccelerator`, its all-gathers inside `_generate_and_score_completions`) while the
-    block runs; world 1: the trainer's own."""
-    if world == 1:
-        yield None
-        return
-    import trl.trainer.grpo_trainer as grpo
-
-    own, own_gather = trainer.accelerator, grpo.gather
-    view = _RankAccelerator(own, world, others)
-    generate = type(trainer)._generate_and_score_completions.__get__(trainer)
-
-    def generation(inputs):
-        with view.generation():
-            return generate(inputs)
-
-    # GRPOTrainer gathers through its accelerator and accelerate.utils.gather (the rewards)
-    trainer.accelerator, grpo.gather = view, view.gather
-    trainer._generate_and_score_completions = generation
-    try:
-        yield view
-    finally:
-        trainer.accelerator, grpo.gather = own, own_gather
-        trainer.__dict__.pop("_generate_and_score_completions", None)
-
-
-@contextlib.contextmanager
-def _ddp_mean(model, world: int):
-    """DDP's gradient all-reduce (the mean over `world` ranks), emulated in one process: each
-    emulated rank's backward contributes 1/world of its gradient."""
-    if world == 1:
-        yield
-        return
-    hooks = [p.register_hook(lambda g: g / world) for p in model.parameters()
-             if p.requires_grad]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 @contextlib.contextmanager
 def _seeded(seed: int):
     """TRL's shuffle_sequence_dict draws from the global torch RNG: seed it for the train call,
@@ -929,6 +876,301 @@ def _without_none(batch):
     """A pass TRL did not run left None in the in-memory batch: drop it."""
     empty = [k for k, v in batch.fields.items() if v is None]
     return batch.without(*empty) if empty else batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-parallel ranks: one process each, TRL's own multi-process path (gloo on the CPU)
+# ---------------------------------------------------------------------------------------------
+# what the fork server imports once besides the reference ranks' preload, so a TRL rank starts
+# in well under a second instead of importing transformers, accelerate and TRL (~5 s of CPU)
+_RANK_PRELOAD = ("datasets", "accelerate", "trl.trainer.grpo_trainer",
+                 "rlconform.conformance.backends.trl")
+RANK_TIMEOUT_ENV = "RLCONFORM_TRL_RANK_TIMEOUT_S"
+_RANK_TIMEOUT_S = 900.0  # a train call of every rank, start to report
+_OBSERVERS: list = []  # context-manager factories each rank process enters (observed_in_ranks)
+_OBSERVED: list[list] = []
+
+
+@contextlib.contextmanager
+def observed_in_ranks(*factories):
+    """While the block runs, every rank process of a multi-rank train call enters each
+    `factory()` (a picklable callable returning a context manager: a module-level function, or
+    functools.partial of one) around building its trainer and its step, and reports what each
+    one's `__enter__` returned, after the block. Yields a list that gains, per train call, one
+    entry per rank (rank order): the list of those values. The adapter's tests count the
+    DATA_PATH functions each rank process enters this way (tests/_data_path.counting_calls)."""
+    seen: list = []
+    _OBSERVERS.extend(factories)
+    _OBSERVED.append(seen)
+    try:
+        yield seen
+    finally:
+        del _OBSERVERS[len(_OBSERVERS) - len(factories):]
+        _OBSERVED.remove(seen)
+
+
+def _rank_context():
+    """The multiprocessing context the ranks start from: the rank launcher of
+    reference_impl/ranks.py (a fork server that has imported torch, transformers' models and,
+    added here, TRL: each rank is forked from it, started in ~0.2 s; or fresh interpreters
+    under RLCONFORM_RANK_START=exec)."""
+    from rlconform.reference_impl.ranks import process_context
+
+    return process_context(_RANK_PRELOAD)
+
+
+def _log_tail(log: str, n: int = 20) -> str:
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[-n:]
+    except OSError:
+        return ""
+    return "\n".join(lines)
+
+
+def _run_ranks(job: dict, shards: list) -> list[dict]:
+    """Start one process per shard (`_rank_process`), hand rank r `job` and shards[r], and
+    return the ranks' reports (rank order). Any rank that raises, dies or stays silent past the
+    timeout (RLCONFORM_TRL_RANK_TIMEOUT_S, default 900 s) fails the call with a RuntimeError
+    naming it (its traceback or exit, its log's tail); every rank process is reaped before
+    this returns or raises (terminated, then killed, by its own handle)."""
+    import os
+    import time
+    from multiprocessing.connection import wait
+
+    from rlconform.conformance.backends._procs import free_port
+
+    ctx = _rank_context()
+    world = len(shards)
+    timeout = float(os.environ.get(RANK_TIMEOUT_ENV, _RANK_TIMEOUT_S))
+    port = free_port()
+    procs, conns, logs = [], [], []
+    replies: dict[int, dict] = {}
+
+    def failed(r: int, how: str) -> RuntimeError:
+        tail = _log_tail(logs[r])
+        return RuntimeError(f"TRL data-parallel rank {r} of {world} (pid {procs[r].pid}) "
+                            f"{how}" + (f"\n--- its log's tail ---\n{tail}" if tail else ""))
+
+    try:
+        for r in range(world):
+            fd, log = tempfile.mkstemp(prefix=f"rlconform-trl-rank{r}-", suffix=".log")
+            os.close(fd)
+            logs.append(log)
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_rank_process, args=(there, r, world, port, log),
+                            name=f"rlconform-trl-rank{r}", daemon=True)
+            p.start()
+            there.close()
+            procs.append(p)
+            conns.append(here)
+        for r, conn in enumerate(conns):
+            try:
+                conn.send_bytes(pickle.dumps({**job, "shard": shards[r]},
+                                             protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                procs[r].join(5)
+                raise failed(r, f"ended ({procs[r].exitcode}) before taking its job") from None
+        deadline = time.monotonic() + timeout
+        while len(replies) < world:
+            pending = {conns[r]: r for r in range(world) if r not in replies}
+            for conn in wait(list(pending), timeout=0.5):
+                r = pending[conn]
+                try:
+                    kind, body = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    procs[r].join(5)
+                    raise failed(r, f"ended ({procs[r].exitcode}) without a report") from None
+                if kind == "error":
+                    raise failed(r, f"raised:\n{body}")
+                replies[r] = body
+            if time.monotonic() > deadline:
+                silent = min(r for r in range(world) if r not in replies)
+                raise failed(silent, f"did not report within {timeout:g}s "
+                                     f"({RANK_TIMEOUT_ENV})")
+        return [replies[r] for r in range(world)]
+    finally:
+        done = len(replies) == world
+        for p in procs:
+            p.join(30 if done else 0)  # a rank that reported exits by itself
+            if p.exitcode is None:
+                p.terminate()
+                p.join(5)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+        for conn in conns:
+            conn.close()
+        for log in logs:
+            with contextlib.suppress(OSError):
+                os.unlink(log)
+
+
+def _rank_process(conn, rank: int, world: int, port: int, log: str) -> None:
+    """A data-parallel rank of TRL (started by `_run_ranks`): torch.distributed's env
+    rendezvous (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / MASTER_PORT on loopback), so the
+    Accelerator GRPOTrainer builds is accelerate's multi-process CPU state (gloo); output to
+    its log; SIGKILL with its parent. Receives its job, replies ("ok", report) or
+    ("error", traceback)."""
+    import os
+    import traceback
+
+    from rlconform.reference_impl.ranks import die_with_parent
+
+    out = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    die_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        reply = ("ok", _rank_job(rank, world, pickle.loads(conn.recv_bytes())))
+        data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException:  # noqa: BLE001 - every failure goes to the driver, named
+        data = pickle.dumps(("error", traceback.format_exc()))
+    try:
+        conn.send_bytes(data)
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _rank_job(rank: int, world: int, job: dict) -> dict:
+    """Rank `rank`'s train call: a TRLCore built as the driver's (its settings, variant and
+    saved initial policy), at the driver's weights, optimizer state and step counter, seeded
+    as accelerate seeds a rank (`set_seed(seed, device_specific=True)`: the call's seed plus
+    the process index, so rank 0 draws as the driver's own process does), then the single-rank
+    path (`TRLCore.rank_step`) on its shard. Rank 0 also returns its updated weights and
+    optimizer state (DDP leaves every rank with the same)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(job["threads"])
+    try:
+        with contextlib.ExitStack() as stack:
+            observed = [stack.enter_context(f()) for f in job["observers"]]
+            core = TRLCore(job["settings"], job["variant"], saved=job["saved"])
+            core.model.load_state_dict(job["state"])
+            core.optimizer.load_state_dict(job["optimizer"])
+            core.steps = job["steps"]
+            set_seed(core.step_seed(), device_specific=True)
+            watchers = [f(core.model) for f in job["watch"]]  # the unwrapped policy
+            try:
+                with _reading_after_backward(core.trainer.accelerator, watchers):
+                    report = core.rank_step(job["shard"], world)
+            finally:
+                watched = [(getattr(w, "across_ranks", "same"), w.remove()) for w in watchers]
+        t = core.trainer
+        report.update(rank=rank, pid=os.getpid(), observed=observed, watched=watched,
+                      num_processes=t.accelerator.num_processes,
+                      process_index=t.accelerator.process_index,
+                      wrapped=type(t.model_wrapped).__module__ + "."
+                      + type(t.model_wrapped).__qualname__)
+        if rank == 0:
+            report["state"] = core.state_dict()
+            report["optimizer"] = core.optimizer.state_dict()
+        return report
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _reading_after_backward(accelerator, watchers):
+    """A rank's watchers that read gradients (`after_backward`) read them again each time
+    `accelerator.backward` returns. DDP's reducer all-reduces a synchronising backward's
+    gradients in a callback the autograd engine runs at that backward's end, after the
+    parameters' accumulate hooks fired (those saw the rank's own gradient), and `backward`
+    returns only once it has finished: read there, a parameter's gradient is the reduced one,
+    before Trainer clips it. That is exact; the optimizer pre-step hook would see the clipped
+    gradient, and dividing a float32 gradient by the clip coefficient does not give back the
+    unclipped one bitwise. (A backward under no_sync leaves the rank's own accumulation: the
+    step's last backward synchronises and is read last.)"""
+    readers = [w.after_backward for w in watchers if hasattr(w, "after_backward")]
+    own = accelerator.backward
+
+    def backward(loss, **kwargs):
+        out = own(loss, **kwargs)
+        for read in readers:
+            read()
+        return out
+
+    accelerator.backward = backward
+    try:
+        yield
+    finally:
+        del accelerator.backward  # the class's method again
+
+
+def _joined(watched: list[list[tuple[str, Any]]]) -> list:
+    """One record per watcher from every rank's (rank order) of one train call, as each
+    watcher declares (`across_ranks`): "same" records (the reduced gradient, the optimizer
+    steps) must agree bitwise on every rank, and rank 0's is handed on; "rows" records (per
+    forward) are the ranks' lists, rank after rank: the order of the shards' rows in the
+    step's batch."""
+    out = []
+    for i, per_rank in enumerate(zip(*watched)):
+        rules = {rule for rule, _ in per_rank}
+        records = [record for _, record in per_rank]
+        if rules == {"rows"}:
+            out.append([x for record in records for x in record])
+            continue
+        if rules != {"same"}:
+            raise ValueError(f"watcher {i} declares across_ranks {sorted(rules)}: 'same' or "
+                             "'rows'")
+        for r, record in enumerate(records[1:], 1):
+            where = _differs(records[0], record)
+            if where is not None:
+                raise RuntimeError(f"watcher {i}: rank {r}'s record differs from rank 0's at "
+                                   f"{where} (every data-parallel rank must hold the same)")
+        out.append(records[0])
+    return out
+
+
+def _differs(a, b, at: str = "the record") -> str | None:
+    """Where two records differ, or None: tensors bitwise (dtype, shape, values), dicts,
+    sequences and dataclasses member by member, anything else by ==."""
+    import dataclasses
+
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else at
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{at} (keys)"
+        return next((d for k in a if (d := _differs(a[k], b[k], f"{at}[{k!r}]"))), None)
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return f"{at} (length {len(a)} vs {len(b)})"
+        return next((d for k, (x, y) in enumerate(zip(a, b))
+                     if (d := _differs(x, y, f"{at}[{k}]"))), None)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return _differs(vars(a), vars(b), at)
+    return None if a == b else at
+
+
+def _watched(own: list, seen: dict) -> list:
+    """A `watch` block's records: this process's watchers' where no train call of several
+    shards ran in the block, else that call's joined rank records (its driver's watchers saw
+    only the weights it loaded back)."""
+    ranked, local = seen["ranked"], seen["local_calls"]
+    if not ranked:
+        return own
+    if len(ranked) > 1 or local:
+        raise RuntimeError(f"a watch block held {len(ranked) + local} train calls, "
+                           f"{len(ranked)} of them in rank processes: the ranks' records join "
+                           "per call, so a block may hold one such call and no other")
+    return ranked[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1099,6 +1341,9 @@ class _TRLTrainer:
 
     def state_dict(self):
         return self.core.state_dict()
+
+    def watch(self, factories):
+        return self.core.watch(factories)
 
 
 class TRLLegacyTrainer(_TRLTrainer):

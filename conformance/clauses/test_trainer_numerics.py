@@ -19,7 +19,8 @@ first asserts that its input is in the regime where its option changes the answe
 Only the trainer surface is used: `backend.trainer(settings, transport, codec)` with
 `compute_logprobs`, `train` (through the reference driver step), `model` (watched with hooks:
 its logits, the gradients accumulated into its parameters, and through torch's global optimizer
-step hooks the gradient and weights of every optimizer step) and `state_dict`. Completions run
+step hooks the gradient and weights of every optimizer step; where the trainer offers `watch`,
+the watchers are built where its step runs: clauses/_watch.py) and `state_dict`. Completions run
 to different lengths, one row has none, so every aggregation choice shows.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 import torch
@@ -57,6 +59,14 @@ from rlconform.conformance.catalogue.trainer import (
 )
 from rlconform.conformance.clauses._gc import new_trainer
 from rlconform.conformance.clauses._row_inputs import row_inputs
+from rlconform.conformance.clauses._watch import (
+    GradCapture,
+    LogitCapture,
+    LogitRecord,
+    OptimizerStep,
+    OptimizerSteps,
+    watching,
+)
 from rlconform.conformance.clauses.test_trainer import GROUP, settings_not_declared
 from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, mint_keys
@@ -74,57 +84,6 @@ SPLIT_BITWISE_FAMILIES = ("smolvlm", "text")
 # one per row of the 3-prompt x 2 batch: distinct, both signs in every group
 ADVANTAGES = (1.0, -0.5, 0.75, -1.25, 0.5, -0.25)
 
-
-
-# -- observing the trainer ----------------------------------------------------------------
-class GradCapture:
-    """The gradient accumulated into each parameter of `model` by the last backward of the
-    step (post-accumulate hooks), i.e. before clipping and the optimizer step."""
-
-    def __init__(self, model: torch.nn.Module):
-        self._last: dict[str, Tensor] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(
-            lambda p, n=n: self._last.__setitem__(n, p.grad.detach().clone()))
-            for n, p in model.named_parameters() if p.requires_grad]
-
-    def remove(self) -> dict[str, Tensor]:
-        """The gradients, where they were and in their own dtype (compared tensor by tensor
-        there: at production widths a float64 pass over them on the CPU takes seconds)."""
-        for h in self._hooks:
-            h.remove()
-        return dict(self._last)
-
-
-@dataclass
-class LogitRecord:
-    input_ids: Tensor
-    attention_mask: Tensor
-    logits: Tensor  # [B, K, V] as the model returned them (K <= S: the last K positions)
-    grad: list = field(default_factory=list)  # dL/dlogits, filled by the backward
-
-
-class LogitCapture:
-    """Every forward of `model` that builds a graph: its inputs, logits and dL/dlogits."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.records: list[LogitRecord] = []
-
-        def hook(module, args, kwargs, output):
-            logits = getattr(output, "logits", None)
-            if logits is None or not logits.requires_grad:
-                return
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            mask = kwargs.get("attention_mask")
-            mask = torch.ones_like(ids) if mask is None else mask
-            rec = LogitRecord(ids.detach().cpu(), mask.detach().cpu(),
-                              logits.detach().double().cpu())
-            logits.register_hook(lambda g: rec.grad.append(g.detach().double().cpu()))
-            self.records.append(rec)
-
-        self._hook = model.register_forward_hook(hook, with_kwargs=True)
-
-    def remove(self) -> None:
-        self._hook.remove()
 
 
 # -- the stored columns of one step, chosen per token -------------------------------------
@@ -214,54 +173,6 @@ class SetColumns:
         return getattr(self.inner, name)
 
 
-# -- observing the optimizer ----------------------------------------------------------------
-@dataclass
-class OptimizerStep:
-    grads: dict[str, Tensor]  # the gradient the optimizer applies (after clipping), CPU
-    weights: dict[str, Tensor] | None  # the weights it starts from (when kept), CPU
-
-
-class OptimizerSteps:
-    """Every optimizer step taken on `model`'s parameters: torch's global optimizer step hooks
-    (they fire for any torch optimizer, whatever wraps it; a wrapper's own step that calls an
-    inner one is recorded once)."""
-
-    def __init__(self, model: torch.nn.Module, weights: bool):
-        self.names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        self.model, self.keep_weights = model, weights
-        self.steps: list[OptimizerStep] = []
-        self._pending: OptimizerStep | None = None
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-
-        self._hooks = [register_optimizer_step_pre_hook(self._pre),
-                       register_optimizer_step_post_hook(self._post)]
-
-    def _ours(self, optimizer) -> bool:
-        return any(id(p) in self.names for g in optimizer.param_groups for p in g["params"])
-
-    def _pre(self, optimizer, args, kwargs):
-        if not self._ours(optimizer):
-            return
-        grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in
-                 self.model.named_parameters() if p.requires_grad and p.grad is not None}
-        kept = {k: v.detach().to("cpu", copy=True) for k, v in
-                self.model.state_dict().items()} if self.keep_weights else None
-        self._pending = OptimizerStep(grads, kept)
-
-    def _post(self, optimizer, args, kwargs):
-        if self._pending is not None and self._ours(optimizer):
-            self.steps.append(self._pending)
-            self._pending = None
-
-    def remove(self) -> list[OptimizerStep]:
-        for h in self._hooks:
-            h.remove()
-        return self.steps
-
-
 @dataclass
 class Step:
     out: object  # the driver's StepOutcome: loss, grad norm, metrics, updated state_dict
@@ -300,18 +211,15 @@ def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
     if model_copy is not None:
         model_copy.load_state_dict(start)
     del start
-    grads = GradCapture(trainer.model)
-    cap = LogitCapture(trainer.model) if logits else None
-    steps = OptimizerSteps(trainer.model, optimizer == "weights") if optimizer else None
-    try:
+    factories = [GradCapture] + ([LogitCapture] if logits else []) + (
+        [partial(OptimizerSteps, weights=optimizer == "weights")] if optimizer else [])
+    with watching(trainer, factories) as records:
         out = dataplane_step(batch, trainer, inner, codec, meta_cls,
                              f"num-{uuid.uuid4().hex[:8]}", uid=uid, world=world,
                              group_size=GROUP, advantages=torch.tensor(ADVANTAGES[:len(batch)]))
-    finally:
-        grad = grads.remove()
-        if cap is not None:
-            cap.remove()
-        taken = steps.remove() if steps is not None else []
+    grad, *rest = records
+    seen = rest.pop(0) if logits else []
+    taken = rest.pop(0) if optimizer else []
     row = {k: i for i, k in enumerate(keys)}
     columns: dict[str, dict[int, Tensor]] = {}
     for name in ("prev_logprobs", "reference_logprobs", "generation_logprobs"):
@@ -320,7 +228,7 @@ def _step(backend, transport, codec, meta_cls, settings, batch, world: int = 1,
                 columns.setdefault(name, {})[row[k]] = r.detach().cpu()
     assert grad, "no gradient was accumulated into the parameters of trainer.model"
     impl = getattr(getattr(trainer.model, "config", None), "_attn_implementation", None)
-    return Step(out, grad, kept, columns.get("prev_logprobs", {}), cap.records if cap else [],
+    return Step(out, grad, kept, columns.get("prev_logprobs", {}), seen,
                 int(batch["token_mask"].sum()), impl == "eager", columns, taken)
 
 
