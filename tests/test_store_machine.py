@@ -324,7 +324,8 @@ def test_a_row_taken_from_the_store_that_changes_later_fails_on_that():
     put_refused = "put raised RuntimeError: zero-byte value refused"
     with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
                        r"RuntimeError\), field 'f' of a row the model took from the store then "
-                       r"reads back other bits: column 'f' row 0") as failure:
+                       r"reads back other bits \(the sequence's waived writes: put raised "
+                       r"RuntimeError\): column 'f' row 0") as failure:
         replay(put_refused)
     assert "two reads" not in str(failure.value)  # steady while adopted
     replay(put_refused, r"after a waived failure \(put raised RuntimeError\), field 'f' of a row")
@@ -385,7 +386,8 @@ def test_a_row_a_waived_put_named_that_changes_later_is_named_after_that_put():
     try:
         with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
                            r"RuntimeError\), field 'f' of a row the model took from the store "
-                           r"then reads back other bits"):
+                           r"then reads back other bits \(the sequence's waived writes: put "
+                           r"raised RuntimeError\)"):
             m.replay(calls)
     finally:
         m.teardown()

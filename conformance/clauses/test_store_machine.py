@@ -153,6 +153,10 @@ class StoreMachine(RuleBasedStateMachine):
         # when that call's failure is waived, they take its name in `adopted` whatever they read
         # at once (a torn row may read right and change later)
         self.named: list[tuple[str, str, str]] = []
+        # every waived failure of a put or clear so far, in order (`_what_failed`): a refused
+        # write may have changed bytes past the rows it named, so a drifted row's finding lists
+        # them all, not only the failure after which the model first saw the row differ
+        self.waived_writes: list[str] = []
 
     # -- plumbing -------------------------------------------------------------------------------
     @initialize(data=st.data())
@@ -195,16 +199,18 @@ class StoreMachine(RuleBasedStateMachine):
 
         if not waive_step(failure):
             return False
+        what = _what_failed(str(failure))
+        if what.startswith(("put ", "clear ")) and what not in self.waived_writes:
+            self.waived_writes.append(what)
         call = getattr(failure, "call", "")
         if call and logged:
             first = str(failure).splitlines()[0][:160]
             self.log.append(f"with contextlib.suppress(Exception): {call}  # waived: {first}")
         if adopt:
-            after = _what_failed(str(failure))
             for pkf in self.named:
-                self.adopted[pkf] = after
+                self.adopted[pkf] = what
             self.named = []
-            self._adopt(after)
+            self._adopt(what)
         return True
 
     def _attempt(self, call, *, adopt: bool, logged: bool = True):
@@ -335,12 +341,16 @@ class StoreMachine(RuleBasedStateMachine):
         """A row the model took from the store after a waived failure (`after`) reads back
         other bits later, with no call in between that named it: as `_unsteady`, but found on
         a later read (the bytes past a torn row change as the store reuses its memory). A
-        finding of its own, waivable for one cause; the field is no longer judged."""
+        finding of its own that lists every waived put or clear of the sequence (a refused
+        write may have torn rows it did not name, seen first after a later failure), so a
+        waiver takes it for one cause; the field is no longer judged."""
         self.unjudged.add((p, f))
+        writes = "; ".join(self.waived_writes) or "none"
         self._attempt(lambda: self._fail(
             f"after a waived failure ({after}), field {f!r} of a row the model took from the "
-            f"store then reads back other bits: {why}; the store answers with bytes it does not "
-            "hold", src, check=check), adopt=False, logged=False)
+            f"store then reads back other bits (the sequence's waived writes: {writes}): {why}; "
+            "the store answers with bytes it does not hold", src, check=check),
+            adopt=False, logged=False)
 
     def _call(self, client, method: str, args: list[Value], expect: Expect, *,
               logged: bool = True, bind: str = "", names=()):
