@@ -392,3 +392,62 @@ def test_a_row_a_waived_put_named_that_changes_later_is_named_after_that_put():
     finally:
         m.teardown()
         verdicts._CURRENT.reset(token)
+
+
+class _DanglingTwiceStore:
+    """`_DanglingStore` whose get of a key named twice also answers zeros for the first copy
+    (as a store that fills one buffer per key does): a difference only such a get shows."""
+
+    def __new__(cls):
+        import torch
+
+        base = type(_DanglingStore())
+
+        class Twice(base):
+            def get(self, partition, keys, select_fields=None):
+                cols, tags = super().get(partition, keys, select_fields)
+                if len(set(keys)) == len(keys):
+                    return cols, tags
+                out = {}
+                for name, col in cols.items():
+                    rows = list(col.unbind())
+                    for i, k in enumerate(keys):
+                        if k in keys[i + 1:]:
+                            rows[i] = torch.zeros_like(rows[i])
+                    out[name] = torch.nested.nested_tensor(rows, layout=torch.jagged)
+                return out, tags
+
+        return Twice()
+
+
+def test_a_remembered_row_that_reads_right_alone_is_a_plain_difference_of_the_get():
+    """A row the model remembers from a waived put, read by a get that names its key twice and
+    answers zeros for one copy: the row itself did not drift (it reads right alone), so the
+    finding is the get's plain difference, which names the repeated key (and a waiver of that
+    defect takes it), not a drift named after the put."""
+    import datetime as dt
+
+    from rlconform.conformance.backend import Backend
+    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
+    from rlconform.conformance.engine import verdicts
+    from rlconform.conformance.engine.waivers import Waiver
+
+    backend = Backend.from_reference("twice", transport=_DanglingTwiceStore)
+    machine = machine_for(StoreMachine, backend, "twice", "case")
+    calls = parse_input(
+        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
+        "t.get('p', ['k', 'k'], ['f'])")
+    waiver = Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1),
+                    match="put raised RuntimeError: zero-byte value refused", index=1)
+    token = verdicts._CURRENT.set(verdicts.CoveringWaivers([waiver]))
+    m = machine()
+    m.world = _input_world(calls)
+    try:
+        with pytest.raises(AssertionError, match=r"^get: column 'f' row 0: .* \(the get names "
+                           r"\['k'\] more than once\)") as failure:
+            m.replay(calls)
+    finally:
+        m.teardown()
+        verdicts._CURRENT.reset(token)
+    assert "reads back other bits" not in str(failure.value)
