@@ -365,33 +365,16 @@ def test_a_row_a_waived_put_named_that_changes_later_is_named_after_that_put():
     named it, and other bits after a later put of other keys: the finding names the waived put
     (the call that wrote the row), not a plain value difference, nor a later waived failure
     that merely noticed it."""
-    import datetime as dt
-
-    from rlconform.conformance.backend import Backend
-    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
-    from rlconform.conformance.engine import verdicts
-    from rlconform.conformance.engine.waivers import Waiver
-
-    backend = Backend.from_reference("dangling", transport=_DanglingStore)
-    machine = machine_for(StoreMachine, backend, "dangling", "case")
-    calls = parse_input(
-        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
-        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
-        "t.put('q', ['a'], {'g': jagged_of(seeded(torch.float32, (1, 1), 2), [1])}, None)")
-    waiver = Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1),
-                    match="put raised RuntimeError: zero-byte value refused", index=1)
-    token = verdicts._CURRENT.set(verdicts.CoveringWaivers([waiver]))
-    m = machine()
-    m.world = _input_world(calls)
-    try:
-        with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
-                           r"RuntimeError\), field 'f' of a row the model took from the store "
-                           r"then reads back other bits \(the sequence's waived writes: put "
-                           r"raised RuntimeError\)"):
-            m.replay(calls)
-    finally:
-        m.teardown()
-        verdicts._CURRENT.reset(token)
+    with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
+                       r"RuntimeError\), field 'f' of a row the model took from the store "
+                       r"then reads back other bits \(the sequence's waived writes: put "
+                       r"raised RuntimeError\)"):
+        _replay_waived(
+            _DanglingStore,
+            "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+            "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, "
+            "None); t.put('q', ['a'], {'g': jagged_of(seeded(torch.float32, (1, 1), 2), [1])}, "
+            "None)", "put raised RuntimeError: zero-byte value refused")
 
 
 class _DanglingTwiceStore:
@@ -425,6 +408,20 @@ def test_a_remembered_row_that_reads_right_alone_is_a_plain_difference_of_the_ge
     answers zeros for one copy: the row itself did not drift (it reads right alone), so the
     finding is the get's plain difference, which names the repeated key (and a waiver of that
     defect takes it), not a drift named after the put."""
+    with pytest.raises(AssertionError, match=r"^get: column 'f' row 0: .* \(the get names "
+                       r"\['k'\] more than once\)") as failure:
+        _replay_waived(
+            _DanglingTwiceStore,
+            "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
+            "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, "
+            "None); t.get('p', ['k', 'k'], ['f'])",
+            "put raised RuntimeError: zero-byte value refused")
+    assert "reads back other bits" not in str(failure.value)
+
+
+def _replay_waived(transport, source: str, *matches: str) -> None:
+    """Replay the calls of `source` (a waiver's `input` form) on a machine over `transport`,
+    with one DP-STORE-MODEL waiver per pattern in `matches` covering the run."""
     import datetime as dt
 
     from rlconform.conformance.backend import Backend
@@ -432,22 +429,16 @@ def test_a_remembered_row_that_reads_right_alone_is_a_plain_difference_of_the_ge
     from rlconform.conformance.engine import verdicts
     from rlconform.conformance.engine.waivers import Waiver
 
-    backend = Backend.from_reference("twice", transport=_DanglingTwiceStore)
-    machine = machine_for(StoreMachine, backend, "twice", "case")
-    calls = parse_input(
-        "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
-        "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
-        "t.get('p', ['k', 'k'], ['f'])")
-    waiver = Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1),
-                    match="put raised RuntimeError: zero-byte value refused", index=1)
-    token = verdicts._CURRENT.set(verdicts.CoveringWaivers([waiver]))
+    machine = machine_for(StoreMachine, Backend.from_reference("store", transport=transport),
+                          "store", "case")
+    calls = parse_input(source)
+    waivers = [Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1), match=m,
+                      index=i) for i, m in enumerate(matches, 1)]
+    token = verdicts._CURRENT.set(verdicts.CoveringWaivers(waivers))
     m = machine()
     m.world = _input_world(calls)
     try:
-        with pytest.raises(AssertionError, match=r"^get: column 'f' row 0: .* \(the get names "
-                           r"\['k'\] more than once\)") as failure:
-            m.replay(calls)
+        m.replay(calls)
     finally:
         m.teardown()
         verdicts._CURRENT.reset(token)
-    assert "reads back other bits" not in str(failure.value)
