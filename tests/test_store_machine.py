@@ -70,6 +70,17 @@ def test_every_world_holds_confusable_pairs_the_contract_allows():
                 assert eval(alphabet.source(name)) == name  # noqa: S307 - our own source
 
 
+def test_a_snippet_writes_look_alike_names_apart():
+    from rlconform.fixtures.values import py_source
+
+    pairs = [("\u00e9", "e\u0301"), ("a", "\u0430"), ("k", "\u212a"), ("x" * 60 + "\u00e9", "x" * 60 + "e\u0301")]
+    for a, b in pairs:
+        for write in (alphabet.source, py_source):
+            sa, sb = write(a), write(b)
+            assert sa.isascii() and sb.isascii() and sa != sb, (sa, sb)
+            assert eval(sa) == a and eval(sb) == b  # noqa: S307 - our own source
+
+
 # -- a waiver's input is replayed before the search --------------------------------------------
 WAIVER = """
 [[waiver]]
@@ -230,30 +241,12 @@ def test_a_store_that_reads_back_other_bits_after_a_waived_failure_fails_on_that
     reads back with other bits each time is then a finding of its own (not a false alarm on
     a later read, not silence): its message names the key and field, a waiver can take it,
     and the field is no longer judged."""
-    import datetime as dt
-
-    from rlconform.conformance.backend import Backend
-    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
-    from rlconform.conformance.engine import verdicts
-    from rlconform.conformance.engine.waivers import Waiver
-
-    backend = Backend.from_reference("torn", transport=_TornStore)
-    machine = machine_for(StoreMachine, backend, "torn", "case")
-    calls = parse_input(
+    source = (
         "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
         "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None)")
 
     def replay(*matches: str) -> None:
-        waivers = [Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1), match=m,
-                          index=i) for i, m in enumerate(matches, 1)]
-        token = verdicts._CURRENT.set(verdicts.CoveringWaivers(waivers))
-        m = machine()
-        m.world = _input_world(calls)
-        try:
-            m.replay(calls)
-        finally:
-            m.teardown()
-            verdicts._CURRENT.reset(token)
+        _replay_waived(_TornStore, source, *matches)
 
     put_refused = "put raised RuntimeError: zero-byte value refused"
     with pytest.raises(AssertionError, match="two reads of field 'f' differ") as failure:
@@ -295,31 +288,13 @@ def test_a_row_taken_from_the_store_that_changes_later_fails_on_that():
     other bits after a later call that did not write it: a finding of its own that names the
     waived failure (not a plain value difference no waiver can take for one cause), and the
     field is no longer judged."""
-    import datetime as dt
-
-    from rlconform.conformance.backend import Backend
-    from rlconform.conformance.clauses.test_store_machine import _input_world, parse_input
-    from rlconform.conformance.engine import verdicts
-    from rlconform.conformance.engine.waivers import Waiver
-
-    backend = Backend.from_reference("drifting", transport=_DriftingStore)
-    machine = machine_for(StoreMachine, backend, "drifting", "case")
-    calls = parse_input(
+    source = (
         "t.put('p', ['k'], {'f': jagged_of(seeded(torch.float32, (3, 1), 0), [3])}, None); "
         "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), [2, 0])}, None); "
         "t.put('q', ['a'], {'g': jagged_of(seeded(torch.float32, (1, 1), 2), [1])}, None)")
 
     def replay(*matches: str) -> None:
-        waivers = [Waiver("DP-STORE-MODEL", "backend-bug", "r", dt.date(2099, 1, 1), match=m,
-                          index=i) for i, m in enumerate(matches, 1)]
-        token = verdicts._CURRENT.set(verdicts.CoveringWaivers(waivers))
-        m = machine()
-        m.world = _input_world(calls)
-        try:
-            m.replay(calls)
-        finally:
-            m.teardown()
-            verdicts._CURRENT.reset(token)
+        _replay_waived(_DriftingStore, source, *matches)
 
     put_refused = "put raised RuntimeError: zero-byte value refused"
     with pytest.raises(AssertionError, match=r"after a waived failure \(put raised "
