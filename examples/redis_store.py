@@ -22,7 +22,8 @@ meet in one record:
                   cleared lists []);
 - a row's shape: dense rows have the recorded trailing shape; a jagged row's first dim is its
   byte count / (element size x trailing), so 0-d rows (a 1-D column) and empty rows (a media-free
-  sample) need no header of their own.
+  sample) need no header of their own; only where a trailing dim is 0 (rows of no bytes, whatever
+  their length) the row's hash holds its length beside it (`n:<field>`).
 Tags are typed JSON: every value is a pair [type, payload] (tuple, list, dict with its key
 types, str, int, float, bool, None), so tuples, int keys, nan, inf and -0.0 come back as they
 were put; nothing is unpickled from a store another process writes. Names and tags are checked
@@ -137,7 +138,13 @@ def _rows(col: torch.Tensor) -> list[torch.Tensor]:
     return list(col.unbind()) if col.is_nested else list(col.unbind(0))
 
 
-def _column(layout: dict, raws: list[bytes]) -> torch.Tensor:
+def _no_bytes(layout: dict) -> bool:
+    """Whether the layout's rows hold no bytes whatever their length (a trailing dim is 0):
+    then a jagged row's length is stored beside it (`n:<field>`), not counted from its bytes."""
+    return layout["kind"] == "jagged" and math.prod(layout["trailing"]) == 0
+
+
+def _column(layout: dict, raws: list[bytes], lengths: list[bytes | None]) -> torch.Tensor:
     dtype = getattr(torch, layout["dtype"])
     trailing = layout["trailing"]
     width = torch.empty((), dtype=dtype).element_size() * math.prod(trailing)
@@ -146,9 +153,13 @@ def _column(layout: dict, raws: list[bytes]) -> torch.Tensor:
     values = flat.view(dtype)
     if layout["kind"] == "dense":
         return values.reshape(len(raws), *trailing)
-    lengths = [len(r) // width if width else 0 for r in raws]
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
-    return torch.nested.nested_tensor_from_jagged(values.reshape(-1, *trailing), offsets=offsets)
+    if width:
+        rows = [len(r) // width for r in raws]
+    else:
+        rows = [int(n) for n in lengths]
+    offsets = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.long)
+    return torch.nested.nested_tensor_from_jagged(values.reshape(sum(rows), *trailing),
+                                                  offsets=offsets)
 
 
 class RedisTransport:
@@ -205,7 +216,9 @@ class RedisTransport:
         for i, k in enumerate(keys):
             pipe.hset(self._k("row", partition, k), mapping={
                 "tags": _dump_tag(merged[i]),
-                **{f"f:{name}": _raw(rows[name][i]) for name in columns}})
+                **{f"f:{name}": _raw(rows[name][i]) for name in columns},
+                **{f"n:{name}": int(rows[name][i].shape[0]) for name in columns
+                   if _no_bytes(layouts[name])}})
         pipe.sadd(self._k("keys", partition), *[_q(k) for k in keys])
         pipe.execute()
 
@@ -226,7 +239,8 @@ class RedisTransport:
                 raise KeyError(f"field {f!r} not stored in partition {partition!r}")
         pipe = self.r.pipeline()
         for k in keys:
-            pipe.hmget(self._k("row", partition, k), ["tags", *[f"f:{f}" for f in fields]])
+            pipe.hmget(self._k("row", partition, k),
+                       ["tags", *[f"f:{f}" for f in fields], *[f"n:{f}" for f in fields]])
         found = pipe.execute()
         missing = [k for k, got in zip(keys, found) if got[0] is None]
         if missing:
@@ -234,11 +248,12 @@ class RedisTransport:
         out = {}
         for j, f in enumerate(fields, start=1):
             raws = [got[j] for got in found]
+            lengths = [got[j + len(fields)] for got in found]
             lacking = [k for k, r in zip(keys, raws) if r is None]
             if lacking:
                 raise KeyError(f"field {f!r} missing for keys {lacking[:8]} in partition "
                                f"{partition!r}")
-            out[f] = _column(layouts[f], raws)
+            out[f] = _column(layouts[f], raws, lengths)
         return out, [_load_tag(got[0]) for got in found]
 
     def list(self, partition: str) -> list[str]:
