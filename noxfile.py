@@ -292,8 +292,8 @@ def redis_example(session: nox.Session) -> None:
     port, runs the clauses against it, fails unless the server holds as many keys after the run
     as before, and stops it by PID. Arguments go to `rlconform run` (default `--profile ci
     --surfaces transport --partial-ok`: the store's clauses, the RANK-* ones with rank processes
-    that reopen the server by address and the store machine included, ~35 s on 2 cores; `--surfaces` of your own to
-    change it)."""
+    that reopen the server by address and the store machine included, ~35 s on 2 cores;
+    `--surfaces` of your own to change it)."""
     _debian(session, ("redis-server",))
     _install(session, backend_reqs=("redis",))
     args = _posargs(session)

@@ -73,7 +73,8 @@ def test_every_world_holds_confusable_pairs_the_contract_allows():
 def test_a_snippet_writes_look_alike_names_apart():
     from rlconform.fixtures.values import py_source
 
-    pairs = [("\u00e9", "e\u0301"), ("a", "\u0430"), ("k", "\u212a"), ("x" * 60 + "\u00e9", "x" * 60 + "e\u0301")]
+    pairs = [("\u00e9", "e\u0301"), ("a", "\u0430"), ("k", "\u212a"),
+             ("x" * 60 + "\u00e9", "x" * 60 + "e\u0301")]
     for a, b in pairs:
         for write in (alphabet.source, py_source):
             sa, sb = write(a), write(b)
@@ -445,7 +446,8 @@ def test_a_row_a_waived_put_named_that_reads_otherwise_beside_other_keys_is_drif
         _replay_waived(
             _DanglingBatchStore,
             "t.put('p', ['k', 'a', 'b'], {'f': jagged_of(seeded(torch.float32, (4, 1), 0), "
-            "[2, 1, 1])}, None); t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), "
+            "[2, 1, 1])}, None); "
+            "t.put('p', ['k', 'z'], {'f': jagged_of(seeded(torch.float32, (2, 1), 1), "
             "[2, 0])}, None); t.get('p', ['a', 'k'], ['f'])",
             "put raised RuntimeError: zero-byte value refused")
 
