@@ -145,6 +145,8 @@ def _no_bytes(layout: dict) -> bool:
 
 
 def _column(layout: dict, raws: list[bytes], lengths: list[bytes | None]) -> torch.Tensor:
+    """A column from its rows' bytes and stored lengths (`n:<field>`, read only where the
+    layout's rows hold no bytes: `_no_bytes`)."""
     dtype = getattr(torch, layout["dtype"])
     trailing = layout["trailing"]
     width = torch.empty((), dtype=dtype).element_size() * math.prod(trailing)
@@ -153,10 +155,7 @@ def _column(layout: dict, raws: list[bytes], lengths: list[bytes | None]) -> tor
     values = flat.view(dtype)
     if layout["kind"] == "dense":
         return values.reshape(len(raws), *trailing)
-    if width:
-        rows = [len(r) // width for r in raws]
-    else:
-        rows = [int(n) for n in lengths]
+    rows = [int(n) for n in lengths] if _no_bytes(layout) else [len(r) // width for r in raws]
     offsets = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.long)
     return torch.nested.nested_tensor_from_jagged(values.reshape(sum(rows), *trailing),
                                                   offsets=offsets)
