@@ -123,7 +123,10 @@ def _debian(session: nox.Session, packages: tuple[str, ...]) -> None:
     session.log(f"installing Debian packages: {', '.join(missing)} ({why})")
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     session.run(apt, "update", "-qq", external=True, env=env)
-    session.run(apt, "install", "-y", "-qq", *missing, external=True, env=env)
+    # the .deb files it downloads (hundreds of MB with chromium) are deleted once installed, as
+    # `apt` does: a CI machine's disk can be nearly full (a run failed there, "No space left")
+    session.run(apt, "install", "-y", "-qq", "-o", "APT::Keep-Downloaded-Packages=false",
+                *missing, external=True, env=env)
 
 
 def _debian_for(requirements: tuple[str, ...]) -> tuple[str, ...]:

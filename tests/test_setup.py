@@ -310,7 +310,8 @@ def test_nox_installs_missing_debian_packages_as_root(noxfile, monkeypatch):
     s = _Session()
     noxfile._debian(s, ("present-pkg", "missing-pkg"))
     assert s.ran == [("/usr/bin/apt-get", "update", "-qq"),
-                     ("/usr/bin/apt-get", "install", "-y", "-qq", "missing-pkg")]
+                     ("/usr/bin/apt-get", "install", "-y", "-qq", "-o",
+                      "APT::Keep-Downloaded-Packages=false", "missing-pkg")]
     assert "missing-pkg" in s.logs[0] and "the widget test" in s.logs[0]
 
 
