@@ -63,6 +63,51 @@ def test_codec_roundtrip_of_ragged_rows(family):
     assert batch.first_difference(got) is None and set(got.fields) == set(batch.fields)
 
 
+def test_codec_rows_enter_as_agent_loop_outputs():
+    """Each row is an AgentLoopOutput whose as_dict() verl completes: the prompt is the tokens
+    before the first loss token, the response carries the loss mask and the engine's logprobs."""
+    batch = build_batch("qwen2_vl", [RowPlan(6, images=[1]), RowPlan(9), RowPlan(1)])
+    wire = adapter.VerlCodec().encode(batch)
+    assert [t["prompt_len"] for t in wire.tags] == [3, 4, 0]
+    assert [t["response_len"] for t in wire.tags] == [3, 5, 1]
+    responses = wire.columns["responses"].unbind(0)
+    assert responses[1].tolist() == batch["input_ids"][1, 4:9].tolist()
+    logprobs = wire.columns["rollout_log_probs"].unbind(0)
+    assert logprobs[0].tolist() == batch["generation_logprobs"][0, 3:6].tolist()
+    assert "loss_mask" in wire.columns and "metrics" in wire.columns
+    assert batch.first_difference(adapter.VerlCodec().decode(wire)) is None
+
+
+def test_codec_takes_the_prompt_split_the_batch_carries():
+    batch = build_batch("qwen2_vl", [RowPlan(6, images=[1]), RowPlan(9)])
+    batch = batch.replace(prompt_lengths=torch.tensor([2, 4]))
+    codec = adapter.VerlCodec()
+    wire = codec.encode(batch)
+    assert [t["prompt_len"] for t in wire.tags] == [2, 4]
+    assert batch.first_difference(codec.decode(wire)) is None
+
+
+def test_codec_without_rollout_fields_brings_none_back():
+    batch = build_batch("qwen2_vl", [RowPlan(6), RowPlan(9)]).without(
+        "token_mask", "generation_logprobs")
+    codec = adapter.VerlCodec()
+    wire = codec.encode(batch)
+    assert [t["prompt_len"] for t in wire.tags] == [0, 0]
+    got = codec.decode(wire)
+    assert set(got.fields) == set(batch.fields) and batch.first_difference(got) is None
+
+
+def test_codec_a_prompt_logprob_does_not_travel():
+    """verl's agent loop output holds logprobs of the response only: a value on a prompt token
+    is not carried (what a rollout writes there is zero)."""
+    batch = build_batch("qwen2_vl", [RowPlan(6), RowPlan(9)])
+    gl = batch["generation_logprobs"].clone()
+    gl[1, 0] = -0.5
+    codec = adapter.VerlCodec()
+    got = codec.decode(codec.encode(batch.replace(generation_logprobs=gl)))
+    assert float(got["generation_logprobs"][1, 0]) == 0.0
+
+
 @pytest.mark.xfail(strict=True, raises=TypeError, reason=DENSIFY)
 def test_codec_one_row_batch_stays_jagged():
     codec = adapter.VerlCodec()
@@ -283,11 +328,19 @@ def test_collect_keeps_each_rows_tag(tq_session):
 
 # -- the declared data path is the path the adapter takes ---------------------------------------------
 def _from_source(counts):
-    """Count the trainer methods the adapter compiles from verl's trainer_base.py (that module
-    does not import without the GPU worker stack)."""
+    """Count the trainer methods the adapter compiles from verl's trainer_base.py and the agent
+    loop's as_dict it compiles from agent_loop.py (neither module imports without verl's GPU or
+    rollout stack)."""
+    import contextlib
     from unittest import mock
 
     real = adapter._trainer_method
+    output, metrics = adapter._agent_loop_classes()
+
+    class Counted(output):
+        def as_dict(self):
+            counts["verl.experimental.agent_loop.agent_loop.AgentLoopOutput.as_dict"] += 1
+            return super().as_dict()
 
     def counted(name, namespace):
         fn = real(name, namespace)
@@ -299,7 +352,11 @@ def _from_source(counts):
 
         return run
 
-    return mock.patch.object(adapter, "_trainer_method", counted)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(adapter, "_trainer_method", counted))
+    stack.enter_context(mock.patch.object(adapter, "_agent_loop_classes",
+                                          lambda: (Counted, metrics)))
+    return stack
 
 
 def _run_every_surface():

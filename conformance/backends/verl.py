@@ -9,7 +9,7 @@ fields become those dicts through `Batch.to_row_dicts` and come back through `fr
 
 | surface | verl 0.9.1 |
 |---|---|
-| codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one dict per sample (per-token fields cut at the row's length on their sequence dim, the media dict), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
+| codec | the TransferQueue rollout write (`trainer/ppo/v1/agent_loop_tq.py`): one `AgentLoopOutput` per sample (prompt/response ids, `token_mask` as its response mask, `generation_logprobs` as its response logprobs), its `as_dict()` completed as `_agent_loop_postprocess` does (input ids, loss mask, position ids, the media dict; other fields cut at the row's length on their sequence dim), `tensordict_utils.list_of_dict_to_tensordict`; decode reads each key back with `tensordict_utils.get` and requires per-token columns jagged, as verl's readers do (`.offsets()`) |
 | meta | the driver's `KVBatchMeta` (TransferQueue's class, as verl's v1 trainer holds it; a row's length is its tag's `seq_len`, as `agent_loop_tq` writes it): `select_keys` (subset, slice), `BatchData(list).concat()`; shard_for_dp is the v1 trainer's own `PPOTrainer._balance_batch` (compiled from trainer_base.py) then the split of the actor's lazy dispatch, `decorator._split_args_kwargs_data_proto` (`BatchData(meta).chunk(world)`), which hands each rank a TransferQueue `BatchMeta`; concat of those shards is verl's collect (`decorator._concat_data_proto_or_future`, `BatchData(list).concat()`) |
 | batch_ops | validate: `DataProto.from_dict` + `check_consistency`; pad_to: `torch_functional.pad_sequence_to_length` on each per-token tensor; multimodal_inputs: `utils.model.extract_multi_modal_inputs` over the media dicts (every stage, as verl's FSDP, Megatron and TorchTitan engines call it); select: `DataProto.select_idxs`; concat: `DataProto.concat`; split: `DataProto` slices; micro_batches: `seqlen_balancing.prepare_dynamic_batch` (`rearrange_micro_batches`) |
 
@@ -27,6 +27,7 @@ namespace before verl's dispatch reads them back (`kv_batch_meta2batch_meta`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -58,12 +59,10 @@ _AGENT_TQ = ("AgentLoopWorkerTQ._agent_loop_postprocess (trainer/ppo/v1/agent_lo
 DATA_PATH = (
     PathStep(f"{_TQ}.agent_loop_tq.AgentLoopWorkerTQ._agent_loop_postprocess", "stubbed",
              _AGENT_TQ, "codec"),
-    PathStep("verl.experimental.agent_loop.agent_loop.AgentLoopOutput.as_dict", "rebuilt",
-             "the per-sample dicts that method builds (as_dict of the loop's output, then "
-             "input_ids, position_ids, loss_mask and multi_modal_inputs) are built by the "
-             "adapter from the batch's rows, every row with the batch's key set: rlconform's "
-             "batch holds processed rows (input_ids, M-RoPE position_ids, processor outputs), "
-             "not the prompt/response split and raw images AgentLoopOutput holds", "codec"),
+    PathStep("verl.experimental.agent_loop.agent_loop.AgentLoopOutput.as_dict", "entered",
+             "run from agent_loop.py itself (AgentLoopOutput and AgentLoopMetrics compiled "
+             "from that file, since importing the module pulls the rollout stack: codetiming, "
+             "hydra, the tool registry), on one AgentLoopOutput per row", "codec"),
     PathStep("verl.utils.tensordict_utils.list_of_dict_to_tensordict", "entered",
              surface="codec"),
     PathStep("verl.utils.tensordict_utils.get", "entered", surface="codec"),
@@ -120,7 +119,11 @@ DATA_PATH = (
 NORMALISATIONS = {
     "WIRE-ROUNDTRIP": "decode pads each jagged per-token column back to the batch's dense "
     "[B, S] form with the field's registered pad value (VerlCodec._per_token), after checking "
-    "each row's length against its seq_len tag; a dense column is reported, not padded",
+    "each row's length against its seq_len tag; a dense column is reported, not padded. "
+    "token_mask and generation_logprobs come back from verl's response-only response_mask "
+    "and rollout_log_probs (AgentLoopOutput.as_dict), placed after the row's prompt_len tag "
+    "with the field's pad value on the prompt (VerlCodec._response); prompt_lengths, where "
+    "the batch had it, is that tag",
     "BATCH-ALGEBRA": "a medium no row has leaves no key in verl's per-sample dicts; it comes "
     "back as a packed field of None rows (verl.py _batch): nothing verl lost is restored",
 }
@@ -216,15 +219,73 @@ def _media_list(proto) -> list:
 
 
 # -- codec: the TransferQueue rollout write ------------------------------------------------------
+# the fields an AgentLoopOutput carries besides the ids, and verl's response-only columns that
+# bring them back; the other columns of verl's dict that rlconform has no field for
+_ROLLOUT = ("token_mask", "generation_logprobs", "prompt_lengths")
+_FROM_RESPONSE = {"response_mask": "token_mask", "rollout_log_probs": "generation_logprobs"}
+_VERL_OWN = ("prompts", "responses", "loss_mask", "metrics", "extra_fields")
+
+
+def _prompt_lengths(batch, lens: list[int]) -> list[int]:
+    """Each row's prompt length: `prompt_lengths` where the batch has it, else the tokens
+    before the row's first loss token (`token_mask`), else 0."""
+    if "prompt_lengths" in batch.fields:
+        out = [int(p) for p in batch["prompt_lengths"].tolist()]
+    elif "token_mask" in batch.fields:
+        tm = batch["token_mask"]
+        out = []
+        for i, n in enumerate(lens):
+            hits = tm[i, :n].nonzero()
+            out.append(int(hits[0, 0]) if len(hits) else n)
+    else:
+        out = [0] * len(lens)
+    for i, (p, n) in enumerate(zip(out, lens)):
+        if not 0 <= p <= n:
+            raise ValueError(f"row {i}: 'prompt_lengths' {p} is outside its {n} tokens")
+    return out
+
+
+@functools.cache
+def _agent_loop_classes():
+    """verl's `AgentLoopOutput` and `AgentLoopMetrics`, compiled from
+    experimental/agent_loop/agent_loop.py itself: importing that module pulls the rollout
+    stack (codetiming, hydra, the tool registry, the dataset classes). Raises if verl moved
+    them."""
+    from typing import Any, Optional
+
+    from pydantic import BaseModel, ConfigDict
+
+    scope = _compiled("experimental/agent_loop/agent_loop.py",
+                      {"AgentLoopMetrics": None, "AgentLoopOutput": None},
+                      {"__name__": "verl.experimental.agent_loop.agent_loop", "Any": Any,
+                       "Optional": Optional, "BaseModel": BaseModel, "ConfigDict": ConfigDict,
+                       "torch": torch})
+    return scope["AgentLoopOutput"], scope["AgentLoopMetrics"]
+
+
+def _agent_loop_output(batch, i: int, p: int, n: int):
+    """Row i as the agent loop's output holds it: prompt and response ids, the response's loss
+    mask (all ones without `token_mask`) and its engine logprobs (where the batch has them)."""
+    output, metrics = _agent_loop_classes()
+    ids = batch["input_ids"][i]
+    tm, gl = batch.fields.get("token_mask"), batch.fields.get("generation_logprobs")
+    extra = {} if gl is None else {"response_logprobs": gl[i, p:n].tolist()}
+    return output(prompt_ids=ids[:p].tolist(), response_ids=ids[p:n].tolist(),
+                  response_mask=[1] * (n - p) if tm is None else tm[i, p:n].tolist(),
+                  metrics=metrics(), **extra)
+
+
 class VerlCodec:
     """encode: one dict per sample as verl's TransferQueue agent loop builds it, then
     `list_of_dict_to_tensordict`; decode: `tensordict_utils.get` per key.
 
     A per-token field travels cut at the row's length on its sequence dim (`input_ids[i, :n]`,
-    `position_ids[i, :, :n]`, as `agent_loop_tq` writes them); the media dict of a row travels
-    as the row's value of `multi_modal_inputs` (a NonTensorStack). Tags carry each row's
-    `seq_len`, the family and how the batch held its media. verl has no pixel dtype policy on
-    its rollout write: `pixel_dtype` is accepted and ignored.
+    `position_ids[i, :, :n]`, as `agent_loop_tq` writes them); `token_mask` and
+    `generation_logprobs` travel as the response's `response_mask` and `rollout_log_probs`
+    that `AgentLoopOutput.as_dict` makes; the media dict of a row travels as the row's value of
+    `multi_modal_inputs` (a NonTensorStack). Tags carry each row's `prompt_len`,
+    `response_len` and `seq_len` (verl's), the family and how the batch held its media. verl
+    has no pixel dtype policy on its rollout write: `pixel_dtype` is accepted and ignored.
     """
 
     name = "verl"
@@ -236,10 +297,18 @@ class VerlCodec:
     def encode(self, batch):
         """verl builds each sample's dict inline in `AgentLoopWorkerTQ._agent_loop_postprocess`
         (trainer/ppo/v1/agent_loop_tq.py), an async method of a Ray actor that first runs the
-        generation server, the reward and the teacher logprobs; no verl function builds one
-        sample's dict, so the adapter builds it with the keys and layout that method writes
-        (per-token fields cut at the row's length on their sequence dim, `multi_modal_inputs`
-        as the processor's dict) and hands the list to verl's `list_of_dict_to_tensordict`."""
+        generation server, the reward and the teacher logprobs. Each row enters as what that
+        method holds, an `AgentLoopOutput` (prompt ids, response ids, response mask, response
+        logprobs), and its dict is the method's: `AgentLoopOutput.as_dict()`, then `input_ids`
+        = prompts + responses, `loss_mask` = `response_mask`, the row's `position_ids` and
+        media dict, and its tags (`prompt_len`, `response_len`, `seq_len`); the list goes to
+        verl's `list_of_dict_to_tensordict`.
+
+        A row's prompt is `prompt_lengths` where the batch has it, else the tokens before its
+        first loss token (`token_mask`; no loss token: all prompt; no `token_mask`: no
+        prompt). The batch's other fields ride in the same dict, as the trainer's later puts
+        add columns to the same keys (per-token ones cut at the row's length on their
+        sequence dim)."""
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
         from rlconform.reference_impl.codec import FAMILY_TAG, SEQ_LEN_TAG, WireBatch
@@ -247,30 +316,37 @@ class VerlCodec:
 
         if batch.batch_size == 0:
             raise ValueError(f"cannot encode an empty batch (fields {sorted(batch.fields)})")
+        if "input_ids" not in batch.fields:
+            raise KeyError(f"verl's rollout write needs 'input_ids' (an AgentLoopOutput's "
+                           f"prompt_ids and response_ids); the batch has {sorted(batch.fields)}")
         batch.validate()
         lens = batch.seq_lens.tolist()
-        form = _media_form(batch)
+        form = {**_media_form(batch), "rollout": sorted(set(_ROLLOUT) & set(batch.fields))}
         media = _media_rows(batch, form)
-        samples = []
-        for i, n in enumerate(lens):
-            sample = {}
+        samples, tags = [], []
+        for i, (n, p) in enumerate(zip(lens, _prompt_lengths(batch, lens))):
+            sample = _agent_loop_output(batch, i, p, n).as_dict()
+            # what _agent_loop_postprocess does with it
+            sample["input_ids"] = torch.cat([sample["prompts"], sample["responses"]], dim=0)
+            sample["loss_mask"] = sample["response_mask"]
             for name, v in batch.fields.items():
                 kind = spec(name).kind
+                if name in _ROLLOUT or name == "input_ids":
+                    continue
                 if kind is Kind.PER_TOKEN:
-                    row = v[i]
-                    sample[name] = row.narrow(spec(name).seq_axis(v.dim()) - 1, 0, n)
+                    sample[name] = v[i].narrow(spec(name).seq_axis(v.dim()) - 1, 0, n)
                 elif kind is Kind.PER_SAMPLE:
                     sample[name] = v[i]
             if media is not None:
                 sample[MEDIA] = media[i]
             samples.append(sample)
-        td = list_of_dict_to_tensordict(samples)
-        tags = []
-        for n in lens:
-            tag = {SEQ_LEN_TAG: int(n), _FORM: form}
+            prompt_len, response_len = sample["prompts"].size(0), sample["responses"].size(0)
+            tag = {"prompt_len": prompt_len, "response_len": response_len,
+                   SEQ_LEN_TAG: prompt_len + response_len, _FORM: form}
             if batch.family:
                 tag[FAMILY_TAG] = batch.family
             tags.append(tag)
+        td = list_of_dict_to_tensordict(samples)
         return WireBatch({k: td.get(k) for k in td.keys()}, tags)
 
     def decode(self, wire):
@@ -287,7 +363,7 @@ class VerlCodec:
             if len(col) != b:
                 raise ValueError(f"wire column {name!r} has {len(col)} rows but there are {b} tags")
         for i, t in enumerate(wire.tags):
-            for key in (SEQ_LEN_TAG, _FORM):
+            for key in (SEQ_LEN_TAG, "prompt_len", _FORM):
                 if key not in t:
                     raise KeyError(f"row {i}'s tag lacks {key!r}: tags must travel 1:1 with rows")
         forms = [t[_FORM] for t in wire.tags]
@@ -297,12 +373,21 @@ class VerlCodec:
         if form["family"] is not None and form["family"] not in FAMILIES:
             raise KeyError(f"wire tags name unknown family {form['family']!r}")
         lens = [int(t[SEQ_LEN_TAG]) for t in wire.tags]
+        prompt_lens = [int(t["prompt_len"]) for t in wire.tags]  # verl's own tag
+        rollout = form["rollout"]
         td = TensorDict(dict(wire.columns), batch_size=[b])
         fields, media = {}, None
         for key in td.keys():
             value = tu.get(td, key)
             if key == MEDIA:
                 media = value
+                continue
+            if key in _VERL_OWN:
+                continue
+            if key in _FROM_RESPONSE:
+                name = _FROM_RESPONSE[key]
+                if name in rollout:
+                    fields[name] = self._response(key, name, value, prompt_lens, lens)
                 continue
             fs = spec(key)
             if fs.kind is Kind.PER_TOKEN:
@@ -311,6 +396,12 @@ class VerlCodec:
                 if value.is_nested:
                     raise TypeError(f"per-sample column {key!r} came back jagged")
                 fields[key] = value.clone()
+        if "prompt_lengths" in rollout:
+            fields["prompt_lengths"] = torch.tensor(prompt_lens, dtype=torch.int64)
+        lost = [name for name in rollout if name not in fields]
+        if lost:
+            raise KeyError(f"verl's rows lack the columns {lost} come back from "
+                           f"({', '.join(k for k, v in _FROM_RESPONSE.items() if v in lost)})")
         got = fields["input_lengths"].tolist() if "input_lengths" in fields else None
         if got != lens:
             raise ValueError(f"tags' seq_len {lens} disagree with 'input_lengths' {got}")
@@ -320,6 +411,26 @@ class VerlCodec:
         batch = _batch(fields, media, form)
         batch.validate()
         return batch
+
+    @staticmethod
+    def _response(key, name, value, prompt_lens, lens):
+        """rlconform's dense `name` from verl's response-only column `key`: row i at offsets
+        prompt_len..seq_len, the field's pad value elsewhere (its prompt holds no loss token
+        and no engine logprob)."""
+        from rlconform.reference_impl.registry import spec
+
+        if not value.is_nested:
+            raise TypeError(
+                f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
+                "verl's readers of the no-padding layout call .offsets()")
+        rows = value.unbind(0)
+        out = torch.full((len(rows), max(lens)), spec(name).pad_value, dtype=rows[0].dtype)
+        for i, (r, p, n) in enumerate(zip(rows, prompt_lens, lens)):
+            if r.dim() != 1 or r.shape[0] != n - p:
+                raise ValueError(f"column {key!r} row {i} has shape {list(r.shape)}, its tags say "
+                                 f"{n - p} response tokens (seq_len {n}, prompt_len {p})")
+            out[i, p:n] = r
+        return out
 
     @staticmethod
     def _per_token(key, value, lens, fs):
@@ -503,28 +614,50 @@ class VerlBatchMeta:
         return shards, inverse
 
 
-def _trainer_method(name: str, namespace: dict):
-    """`PPOTrainer.<name>` of verl's v1 trainer, compiled from trainer/ppo/v1/trainer_base.py
-    itself with the names it reads given in `namespace`: importing that module pulls the GPU
-    worker stack (codetiming, torchdata, the engine workers). Raises if verl moved it."""
+def _compiled(relpath: str, wanted: dict, namespace: dict, lazy_annotations: bool = False) -> dict:
+    """Definitions of verl's file `relpath` (under the installed package), compiled from the
+    file itself and run in `namespace` (the names they read): `wanted` maps each top-level
+    class to None, or to the name of the one method of it to take (undecorated). For modules
+    that do not import without verl's GPU or rollout stack."""
+    import __future__
+
     import ast
     from pathlib import Path
 
     import verl
 
-    path = Path(verl.__file__).parent / "trainer" / "ppo" / "v1" / "trainer_base.py"
+    path = Path(verl.__file__).parent / relpath
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PPOTrainer"),
-               None)
-    fn = cls and next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name),
-                      None)
-    if fn is None:
-        raise ImportError(f"verl {verl.__version__}: {path} has no PPOTrainer.{name}")
-    fn.decorator_list = []
-    code = compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec")
+    body = []
+    for cls_name, method in wanted.items():
+        cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name),
+                   None)
+        node = cls if method is None or cls is None else next(
+            (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
+        if node is None:
+            raise ImportError(f"verl {verl.__version__}: {path} has no "
+                              f"{cls_name}{'' if method is None else '.' + method}")
+        if method is not None:
+            node.decorator_list = []
+        body.append(node)
     scope = dict(namespace)
+    # annotations as the caller asks, never this module's `from __future__ import annotations`
+    # by inheritance: pydantic models need theirs evaluated (it cannot resolve strings in a
+    # module that is not imported); methods need theirs unevaluated (they name classes of
+    # the module's imports, which are not in `namespace`)
+    flags = __future__.annotations.compiler_flag if lazy_annotations else 0
+    code = compile(ast.Module(body=body, type_ignores=[]), str(path), "exec", flags=flags,
+                   dont_inherit=True)
     exec(code, scope)  # noqa: S102 - verl's own source, from its installed file
-    return scope[name]
+    return scope
+
+
+def _trainer_method(name: str, namespace: dict):
+    """`PPOTrainer.<name>` of verl's v1 trainer, compiled from trainer/ppo/v1/trainer_base.py
+    itself with the names it reads given in `namespace`: importing that module pulls the GPU
+    worker stack (codetiming, torchdata, the engine workers). Raises if verl moved it."""
+    return _compiled("trainer/ppo/v1/trainer_base.py", {"PPOTrainer": name}, namespace,
+                     lazy_annotations=True)[name]
 
 
 def _balance_batch(meta, world: int):
