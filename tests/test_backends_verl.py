@@ -108,6 +108,19 @@ def test_codec_a_prompt_logprob_does_not_travel():
     assert float(got["generation_logprobs"][1, 0]) == 0.0
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "AgentLoopOutput.response_logprobs is a list of Python floats: a float32 logprob reaches "
+    "it through a double and as_dict() makes it float32 again, which quiets a signalling NaN "
+    "(0x7f800001 comes back 0x7fc00001)"))
+def test_agent_loop_output_keeps_a_logprob_bit_for_bit():
+    output, metrics = adapter._agent_loop_classes()
+    snan = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
+    out = output(prompt_ids=[1], response_ids=[2], response_mask=[1],
+                 response_logprobs=snan.tolist(), metrics=metrics()).as_dict()
+    got = out["rollout_log_probs"].view(torch.int32).tolist()
+    assert got == [0x7F800001], f"came back {[hex(g) for g in got]}"
+
+
 @pytest.mark.xfail(strict=True, raises=TypeError, reason=DENSIFY)
 def test_codec_one_row_batch_stays_jagged():
     codec = adapter.VerlCodec()
