@@ -794,8 +794,8 @@ def _meta():
 backend = Backend(
     name="verl",
     description="verl 0.9.1's data path: DataProto, the TransferQueue rollout write "
-    "(list_of_dict_to_tensordict), KVBatchMeta dispatch/collect, seqlen balancing, "
-    "extract_multi_modal_inputs",
+    "(AgentLoopOutput.as_dict, list_of_dict_to_tensordict), KVBatchMeta dispatch/collect, "
+    "seqlen balancing, extract_multi_modal_inputs",
     codec=_codec,
     meta=_meta,
     batch_ops=VerlBatchOps,
