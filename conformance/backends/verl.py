@@ -400,8 +400,9 @@ class VerlCodec:
             fields["prompt_lengths"] = torch.tensor(prompt_lens, dtype=torch.int64)
         lost = [name for name in rollout if name not in fields]
         if lost:
-            raise KeyError(f"verl's rows lack the columns {lost} come back from "
-                           f"({', '.join(k for k, v in _FROM_RESPONSE.items() if v in lost)})")
+            raise KeyError(f"verl's rows lack the columns "
+                           f"{[k for k, v in _FROM_RESPONSE.items() if v in lost]} that "
+                           f"{lost} come back from")
         got = fields["input_lengths"].tolist() if "input_lengths" in fields else None
         if got != lens:
             raise ValueError(f"tags' seq_len {lens} disagree with 'input_lengths' {got}")
@@ -419,11 +420,7 @@ class VerlCodec:
         and no engine logprob)."""
         from rlconform.reference_impl.registry import spec
 
-        if not value.is_nested:
-            raise TypeError(
-                f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
-                "verl's readers of the no-padding layout call .offsets()")
-        rows = value.unbind(0)
+        rows = _jagged_rows(key, value)
         out = torch.full((len(rows), max(lens)), spec(name).pad_value, dtype=rows[0].dtype)
         for i, (r, p, n) in enumerate(zip(rows, prompt_lens, lens)):
             if r.dim() != 1 or r.shape[0] != n - p:
@@ -434,12 +431,7 @@ class VerlCodec:
 
     @staticmethod
     def _per_token(key, value, lens, fs):
-        if not value.is_nested:  # what verl's readers need: they call .offsets()
-            raise TypeError(
-                f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
-                "verl's readers of the no-padding layout (rearrange_micro_batches, the engines' "
-                "prepare_model_inputs, response_from_nested) call .offsets()")
-        rows = value.unbind(0)
+        rows = _jagged_rows(key, value)
         out = None
         for i, (r, n) in enumerate(zip(rows, lens)):
             axis = fs.seq_axis(r.dim() + 1) - 1
@@ -452,6 +444,17 @@ class VerlCodec:
                 out = torch.full((len(rows), *shape), fs.pad_value, dtype=r.dtype)
             out[i].narrow(axis, 0, n).copy_(r)
         return out
+
+
+def _jagged_rows(key, value) -> tuple:
+    """The rows of a per-token column verl stored: it must be jagged, what verl's readers need
+    (they call .offsets())."""
+    if not value.is_nested:
+        raise TypeError(
+            f"per-token column {key!r} came back dense {list(value.shape)}, not jagged: "
+            "verl's readers of the no-padding layout (rearrange_micro_batches, the engines' "
+            "prepare_model_inputs, response_from_nested) call .offsets()")
+    return value.unbind(0)
 
 
 # -- meta: the driver's KVBatchMeta and verl's dispatch/collect ------------------------------------
