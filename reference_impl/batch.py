@@ -249,7 +249,7 @@ class Batch:
             rows = len(v) if isinstance(v, (PackedTensor, ObjectColumn)) else int(v.shape[0])
             if rows != b:
                 raise ValueError(f"field {name!r} has {rows} rows, expected {b} (batch size)")
-            if fs.kind is Kind.OBJECT:
+            if fs.kind is Kind.OBJECT and fs.multimodal:  # a media dict (raw_prompt is not)
                 self._check_object(name, v)
             if fs.kind is Kind.PER_TOKEN:
                 if v.dim() < 2:
@@ -367,10 +367,11 @@ class Batch:
         return Batch(fields, self.family, dict(self.extra))
 
     def packed_form(self) -> Batch:
-        """Every object field converted back to packed fields (`from_row_dicts`)."""
+        """Every media object field converted back to packed fields (`from_row_dicts`)."""
         out = self
         for name in self.names(Kind.OBJECT):
-            out = out.from_row_dicts(name)
+            if spec(name).multimodal:
+                out = out.from_row_dicts(name)
         return out
 
     # -- model inputs -------------------------------------------------------------------

@@ -136,6 +136,9 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec("multi_modal_inputs", Kind.OBJECT, multimodal=True, empty_as_dict=True),
         # OpenRLHF: Experience.mm_train_inputs, None for a text-only row
         FieldSpec("mm_train_inputs", Kind.OBJECT, multimodal=True),
+        # each row's prompt text and images as the dataset held them (reference_impl.prompts),
+        # for trainers that render and process prompts themselves: no stage fetches it by rule
+        FieldSpec("raw_prompt", Kind.OBJECT, stages=_NONE),
     ]
 }
 

@@ -33,6 +33,7 @@ from rlconform.reference_impl.codec import ReferenceCodec  # noqa: E402
 from rlconform.reference_impl.dataplane import InMemoryDataPlane  # noqa: E402
 from rlconform.reference_impl.grpo import dataplane_step, legacy_step  # noqa: E402
 from rlconform.reference_impl.meta import BatchMeta  # noqa: E402
+from rlconform.reference_impl.prompts import with_prompts  # noqa: E402
 from rlconform.reference_impl.recording import RecordingTransport  # noqa: E402
 from rlconform.reference_impl.registry import Stage  # noqa: E402
 from rlconform.reference_impl.trainer import GRPOCore, TrainerSettings  # noqa: E402
@@ -62,7 +63,8 @@ def rollout(family: str, images: tuple[int, ...]):
         prompts = [p for p in prompts for _ in range(GROUP)]
         imgs = [i for i in imgs for _ in range(GROUP)]
         engine = HFRollout(build_family(family), TrainerSettings(family))
-        _BATCHES[key] = engine.generate(prompts, imgs, 6, seed=0)
+        # with each row's prompt and images, as the driver hands TRL's trainer a batch
+        _BATCHES[key] = with_prompts(engine.generate(prompts, imgs, 6, seed=0), prompts, imgs)
     return _BATCHES[key]
 
 
@@ -258,14 +260,6 @@ def test_micro_batches_refuse_what_trl_cannot_be_configured_for():
         ops.micro_batches(video, 2)
 
 
-D3_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.mark.parametrize("counts", [pytest.param((1, 1), id="all-image"), pytest.param(
     (1, 0), id="mixed", marks=pytest.mark.xfail(
         strict=True, raises=TypeError, reason="D3: _generate_and_score_completions hands the "
@@ -282,7 +276,6 @@ def test_d3_trl_train_on_a_tiny_qwen2_vl(tmp_path, counts):
     model = fam.build_model(seed=0)
     fam.save(tmp_path, model)
     model = type(model).from_pretrained(tmp_path, attn_implementation="eager")
-    template, fam.processor.chat_template = fam.processor.chat_template, D3_TEMPLATE
     texts, images, _ = make_prompts(len(counts), list(counts), seed=0)
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts],
                               "images": [list(i) for i in images]})
@@ -292,13 +285,11 @@ def test_d3_trl_train_on_a_tiny_qwen2_vl(tmp_path, counts):
                       max_steps=1, use_cpu=True, bf16=False, report_to="none",
                       save_strategy="no", logging_strategy="no", disable_tqdm=True,
                       generation_kwargs={"suppress_tokens": banned})
-    try:
-        trainer = GRPOTrainer(model=model, args=args, train_dataset=data,
-                              processing_class=fam.processor,
-                              reward_funcs=lambda completions, **kw: [1.0] * len(completions))
-        trainer.train()
-    finally:
-        fam.processor.chat_template = template
+    # the family's processor, with the chat template its checkpoint carries
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=data,
+                          processing_class=fam.processor,
+                          reward_funcs=lambda completions, **kw: [1.0] * len(completions))
+    trainer.train()
     assert trainer.state.global_step == 1
 
 

@@ -226,6 +226,28 @@ def test_save_and_reload_processor(name, tmp_path):
         assert video["video_processor_type"] != "_NoVideoProcessor"
 
 
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_chat_template_renders_the_rollouts_prompt_text(name, tmp_path):
+    """The processor's (and tokenizer's) chat template, before and after a save, renders a
+    user turn as exactly `prompt_text`: string content or image / text blocks, any number of
+    images, text that looks like template syntax or JSON escapes."""
+    fam = build_family(name)
+    fam.save(tmp_path)
+    holders = [fam.processor or fam.tokenizer, load_processor(tmp_path)]
+    text = 'count {{ x }} {% if %} "q" \\n \u00e9 .'
+    for holder in holders:
+        for n in [0] if fam.processor is None else [0, 1, 3]:
+            blocks = [*({"type": "image"} for _ in range(n)), {"type": "text", "text": text}]
+            for content in [blocks] + ([text] if n == 0 else []):
+                got = holder.apply_chat_template([{"role": "user", "content": content}],
+                                                 tokenize=False, add_generation_prompt=True)
+                assert got == fam.prompt_text(text, n), (n, content)
+        bare = holder.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+        assert fam.prompt_text(text, 0).startswith(bare) and bare != fam.prompt_text(text, 0)
+    with pytest.raises(Exception, match="user turns only"):
+        holders[0].apply_chat_template([{"role": "system", "content": text}], tokenize=False)
+
+
 def test_save_with_weights_reloads_same_model(tmp_path):
     name = "qwen2_vl"
     fam, model = build_family(name), _model(name)

@@ -6,7 +6,7 @@ from the engine's output to the optimizer step (DATA_PATH lists them, function b
 | rlconform need | TRL 1.16.0 |
 |---|---|
 | the generation batch | `GRPOTrainer._generate_and_score_completions` on the batch's rows as TRL's dataset rows (the prompt, its images, the driver's advantage), with a `rollout_func` returning the engine's output for them: prompt ids, completion ids, the engine's per-token logprobs and `env_mask` (the loss mask over the completion). TRL pads prompts (left) and completions (right), builds its masks, `num_images`, `num_items_in_batch`, its advantages and its old / reference logprob passes, under its own conditions |
-| media | the trainer surface carries each row's processor outputs, not its prompt messages and images: the dataset rows hold one `StoredImage` per image, and the family's processor, subclassed, answers TRL's processor call on them with those outputs (`_stored_media_processor`: media as the batch's model-input tensors, per-token type maps over each prompt, left padded). TRL's own prompt handling (`prepare_multimodal_messages`, `apply_chat_template`), image counting, type-map extension and pixel splitting run on them |
+| media | each row's prompt text and images as the dataset held them (the `raw_prompt` column, reference_impl/prompts.py: the trainer factory declares `reads_prompts`) become TRL's conversational dataset rows (`{"prompt": [{"role": "user", "content": text}], "images": [PIL images]}`); TRL's own prompt handling (`prepare_multimodal_messages`, `apply_chat_template` with the family's chat template), its processor call (the family's processor reloaded from the policy's folder with `padding_side="left"`, as `GRPOTrainer.__init__` loads one), image counting, type-map extension and pixel splitting make the model's media inputs. The processor's outputs the batch carries are not read |
 | advantages | TRL derives advantages from rewards inside `_generate_and_score_completions`; the surface hands the driver's advantages, so the reward function returns each row's (a dataset column) and TRL runs with `scale_rewards='none'` and the generation batch as one group of `num_generations`: TRL's advantage is the given one minus the batch's mean (equal where the driver's groups are centred, as group normalisation leaves them) |
 | prev / reference logprobs | the logprob passes run `_generate_and_score_completions` on the shard and keep its `old_per_token_logps` / `ref_per_token_logps` (completion tokens only; 0 on prompt tokens), or none where TRL computes none (one iteration: no old logprobs; `beta == 0`: no reference) |
 | the train step | `Trainer.train` (transformers' loop: `accelerator.prepare`, the accumulation window of `GRPOTrainer.training_step` -> `_prepare_inputs` -> `_generate_and_score_completions` / TRL's micro-batch split -> `_compute_loss`, then clipping, the optimizer step and the scheduler) over a loader yielding the step's generation batch as TRL's RepeatSampler repeats one (num_iterations x steps_per_generation). TRL recomputes its old logprobs in the step itself: a stored prev_logprobs column is not read |
@@ -55,7 +55,6 @@ tests/test_backends_trl.py.
 from __future__ import annotations
 
 import contextlib
-import copy
 import pickle
 import random
 import sys
@@ -88,12 +87,8 @@ DATA_PATH = (
     PathStep(f"{_GRPO}._generate", "entered", surface="trainer"),
     PathStep(f"{_GRPO_MODULE}.pad", "entered", surface="trainer"),
     PathStep(f"{_GRPO_MODULE}.apply_chat_template", "entered", surface="trainer"),
-    PathStep("transformers.ProcessorMixin.__call__", "rebuilt",
-             "the trainer surface carries each row's processor outputs (pixel tensors, grids, "
-             "per-token type maps), not the prompt messages and images TRL hands the "
-             "processor: the family's processor, subclassed, answers the call with those "
-             "outputs, batched as the processor batches them (_stored_media_processor)",
-             "trainer"),
+    PathStep("transformers.ProcessorMixin.__call__", "entered",
+             "on each row's prompt text and images (the raw_prompt column)", "trainer"),
     PathStep(f"{_GRPO}._get_per_token_logps_and_entropies", "entered", surface="trainer"),
     PathStep(f"{_GRPO}._calculate_rewards", "entered", surface="trainer"),
     PathStep(f"{_GRPO_MODULE}.split_pixel_values_by_grid", "entered", surface="trainer"),
@@ -273,15 +268,6 @@ def _num_images(batch, family) -> list[int] | None:
 # ---------------------------------------------------------------------------------------------
 # What a TRL caller with its own engine holds: prompts, the engine's completions and logprobs
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StoredImage:
-    """The dataset's stand-in for image `index` of row `row`: the trainer surface carries the
-    processor's output for each row, not its images (see `_StoredMediaProcessor`)."""
-
-    row: int
-    index: int
-
-
 @dataclass
 class EngineRows:
     """A generation batch as an external engine returns it to TRL's `rollout_func`: per row the
@@ -337,34 +323,6 @@ def to_columns(values, rows: EngineRows, seq_len: int):
     for i, (start, n) in enumerate(zip(rows.starts, rows.lengths)):
         out[i, start:start + n] = values[i, :n].detach().float().cpu()
     return out
-
-
-# Only for the processor stand-in: the fixture processors have no chat template, and
-# `_generate_and_score_completions` renders the prompts before its processor call (whose text
-# the stand-in does not read: the rows' ids come from the engine)
-_GENERIC_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% elif "
-    "c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}")
-
-
-def _stored_media_processor(processor, core):
-    """The family's processor, with its call on images answered from the generation batch's
-    stored processor outputs (a subclass, so TRL still sees the processor it was given)."""
-    base = type(processor)
-
-    class StoredMedia(base):
-        def __call__(self, images=None, text=None, **kwargs):
-            if images is None:
-                return base.__call__(self, images=images, text=text, **kwargs)
-            return core.stored_media(images)
-
-    StoredMedia.__name__ = f"StoredMedia{base.__name__}"
-    stand_in = copy.copy(processor)
-    stand_in.__class__ = StoredMedia
-    if not getattr(stand_in, "chat_template", None):
-        stand_in.chat_template = _GENERIC_CHAT_TEMPLATE
-    return stand_in
 
 
 def micro_batch_size(rows: int, wanted: int) -> int:
@@ -438,7 +396,7 @@ class TRLCore:
         from transformers import PrinterCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        from rlconform.fixtures.families import build_family
+        from rlconform.fixtures.families import build_family, load_processor
 
         self.settings = settings
         self.variant = variant
@@ -471,11 +429,14 @@ class TRLCore:
             # whole groups of num_generations); each pass sets the numbers of its batch
             per_device_train_batch_size=m, steps_per_generation=2,
             gradient_accumulation_steps=2, num_generations=2)
-        processing = self.family.processor or self.family.tokenizer
-        if self.family.processor is not None:
-            processing = _stored_media_processor(processing, self)
+        # the processor a TRL user loads from the checkpoint's folder, left padded as
+        # GRPOTrainer.__init__ loads one when given none (AutoProcessor.from_pretrained(...,
+        # padding_side="left")): its call's per-token type maps line up with left-padded prompts
+        processing = load_processor(self.saved[1])
+        tokenizer = getattr(processing, "tokenizer", processing)
+        tokenizer.padding_side = "left"
         self.pad_id = self.family.tokenizer.pad_token_id
-        self._serving: tuple | None = None
+        self._serving: EngineRows | None = None
         with _quiet_global_rng():
             self.trainer = GRPOTrainer(
                 model=policy, reward_funcs=advantage, args=self.args,
@@ -545,28 +506,41 @@ class TRLCore:
         return batch.truncate(longest) if batch.seq_len() > longest else batch
 
     def _dataset_rows(self, batch, rows: EngineRows) -> list[dict]:
-        """The rows of TRL's dataset for this batch: the prompt (its ids decoded: the surface
-        keeps no prompt text), its images (conversational, as TRL's VLM examples build them)
-        and the advantage the driver gave it."""
-        decode = self.family.tokenizer.decode
+        """The rows of TRL's dataset for this batch: each row's prompt text and images as the
+        dataset held them (`raw_prompt`; conversational, as TRL's VLM examples build them) and
+        the advantage the driver gave it. A media-free batch without `raw_prompt` hands its
+        prompt ids decoded: TRL then calls no processor, and the text reaches only the
+        rollout_func and reward function here, which do not read it."""
+        from rlconform.reference_impl.prompts import FIELD, prompt_rows
+
         adv = batch.fields.get("advantages")
-        counts = _num_images(batch, self.family) if self.family.processor is not None else None
+        if FIELD in batch.fields:
+            held = prompt_rows(batch[FIELD])
+        elif _num_images(batch, self.family) is None:
+            decode = self.family.tokenizer.decode
+            held = [(decode(ids, skip_special_tokens=True), []) for ids in rows.prompt_ids]
+        else:
+            raise ValueError(f"TRL renders each prompt and runs its processor on the row's "
+                             f"images: a batch with images needs each row's prompt text and "
+                             f"images (the {FIELD!r} column, reference_impl/prompts.py), and "
+                             f"this one has none")
         out = []
-        for i, ids in enumerate(rows.prompt_ids):
-            text = decode(ids, skip_special_tokens=True)
+        for i, (text, images) in enumerate(held):
             row: dict[str, Any] = {"prompt": text,
                                    "advantage": None if adv is None else float(adv[i])}
             if self.family.processor is not None:
                 row["prompt"] = [{"role": "user", "content": text}]
-                row["images"] = [StoredImage(i, k) for k in range(counts[i] if counts else 0)]
+                row["images"] = images
+            elif images:
+                raise ValueError(f"{FIELD} row {i} has {len(images)} images for the "
+                                 f"{self.family.name!r} family, which takes none")
             out.append(row)
         return out
 
     @contextlib.contextmanager
-    def serving(self, batch, rows: EngineRows, stage):
-        """The engine's output (`_rollout`) and the processor outputs (`stored_media`) of
-        `batch` while TRL runs on it."""
-        self._serving = (batch, rows, stage)
+    def serving(self, rows: EngineRows):
+        """The engine's output (`_rollout`) while TRL runs on its generation batch."""
+        self._serving = rows
         try:
             yield
         finally:
@@ -576,36 +550,12 @@ class TRLCore:
         """TRL's `rollout_func`: the engine's completions of the generation batch's prompts."""
         if self._serving is None:
             raise RuntimeError("rollout_func called outside a pass")
-        _, rows, _ = self._serving
+        rows = self._serving
         if len(prompts) != len(rows):
             raise ValueError(f"rollout_func got {len(prompts)} prompts for a generation batch "
                              f"of {len(rows)} rows")
         return {"prompt_ids": rows.prompt_ids, "completion_ids": rows.completion_ids,
                 "logprobs": rows.logprobs, "env_mask": rows.env_mask}
-
-    def stored_media(self, images):
-        """The processor's outputs of the generation batch, for `images` (the StoredImage
-        lists of its rows, in row order): media as the processor batches them (the batch's
-        model-input tensors), per-token type maps over each prompt, left padded as TRL pads
-        the prompts."""
-        import torch
-        from transformers import BatchFeature
-
-        batch, rows, stage = self._serving
-        wanted = [[StoredImage(i, k) for k in range(len(x or []))] for i, x in enumerate(images)]
-        if len(images) != len(rows) or [list(x or []) for x in images] != wanted:
-            raise ValueError("the processor was called with other images than the generation "
-                             f"batch's rows hold: {images!r}")
-        out = dict(batch.multimodal_inputs(stage))
-        width = max(len(p) for p in rows.prompt_ids)
-        for name in ("token_type_ids", "mm_token_type_ids"):
-            if name in out:
-                full = out[name]
-                maps = torch.zeros(len(rows), width, dtype=full.dtype)
-                for i, start in enumerate(rows.starts):
-                    maps[i, width - start:] = full[i, :start]
-                out[name] = maps
-        return BatchFeature(out)
 
     def _generation(self, batch, stage, inputs: list[dict] | None = None):
         batch = self.generation_batch(batch)
@@ -621,7 +571,7 @@ class TRLCore:
         self._configure(len(gen))
         t = self.trainer
         t.model.train()  # the mode TRL's train step calls it in
-        with self.serving(gen, rows, stage):
+        with self.serving(rows):
             out = t._generate_and_score_completions(inputs)
         key = "ref_per_token_logps" if stage is _stage().REFERENCE_LOGPROB \
             else "old_per_token_logps"
@@ -652,7 +602,7 @@ class TRLCore:
     def rank_step(self, shard, world: int) -> dict:
         """One rank's part of a train call, as a TRL rank runs it: its generation batch (the
         shard) yielded by the loader stand-in as RepeatSampler repeats one (num_iterations x
-        steps_per_generation), TRL's own rollout_func / processor stand-in serving it, and
+        steps_per_generation), TRL's own rollout_func serving it, and
         `Trainer.train` taking every step. In a rank process (`world` > 1) TRL's accelerator
         is the real multi-process one: `accelerator.prepare` wraps the policy in
         DistributedDataParallel and every gather in `_generate_and_score_completions` is an
@@ -685,7 +635,7 @@ class TRLCore:
         del self.logs[:]
         seen = _LossLocals()
         try:
-            with self.serving(batch, rows, stage), seen:
+            with self.serving(rows), seen:
                 t.train()
         finally:
             t.__dict__.pop("get_train_dataloader", None)
@@ -1370,9 +1320,12 @@ class TRLDataPlaneTrainer(_TRLTrainer):
         and for a logprob pass the loss mask too: TRL's `_generate_and_score_completions`,
         which runs its logprob passes, takes each row as prompt and completion."""
         from rlconform.reference_impl.codec import WireBatch, column_field
+        from rlconform.reference_impl.prompts import FIELD as PROMPT_FIELD
         from rlconform.reference_impl.registry import stage_fields
 
         wanted = stage_fields(stage)  # the reference's rule, object fields' wire columns too
+        # and each row's prompt and images, which TRL renders and processes itself
+        wanted = (*wanted, PROMPT_FIELD)
         if stage is not _stage().TRAIN:
             wanted = (*wanted, "token_mask")
         fields = [f for f in wanted if f in meta.fields] + [
@@ -1418,6 +1371,7 @@ def _backend(variant: str) -> Backend:
 
     trainer.loss_options = loss_options
     trainer.settings_unsupported = dict(SETTINGS_UNSUPPORTED)
+    trainer.reads_prompts = True  # TRL renders and processes each row's prompt itself
 
     return Backend(
         name=variant,

@@ -18,6 +18,7 @@ from rlconform.conformance.catalogue.generation import (
     GEN_SIR_TOL,
     GEN_TMPE_TOL,
 )
+from rlconform.conformance.clauses._prompts import for_trainer
 from rlconform.conformance.clauses._row_inputs import row_inputs
 from rlconform.reference_impl.grpo import dataplane_step
 from rlconform.reference_impl.trainer import TrainerSettings
@@ -106,6 +107,7 @@ def test_generation_logprobs_agree_with_prev_logprobs(transport, codec, meta_cls
                                                       record_metric, setup, family):
     settings, engine, make_trainer, prompts, images = setup(family)
     batch = engine.generate(prompts, images, _caps(len(prompts), 0), seed=0)
+    batch = for_trainer(make_trainer, batch, prompts, images)
     trainer = make_trainer(settings, transport, codec)
     out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
                          rewards=_rewards(len(batch)), group_size=GROUP)
@@ -323,6 +325,7 @@ def test_engine_stays_in_sync_across_refits(transport, codec, meta_cls, dtype, r
     failures = []
     for step in range(REFIT_STEPS):
         batch = engine.generate(prompts, images, _caps(len(prompts), step), seed=step)
+        batch = for_trainer(make_trainer, batch, prompts, images)
         out = dataplane_step(batch, trainer, transport, codec, meta_cls, _partition(),
                              rewards=_rewards(len(batch)), group_size=GROUP)
         failures += [f"step {step}: {b}" for b in _agreement(out, dtype, record_metric, step)]

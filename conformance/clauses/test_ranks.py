@@ -40,6 +40,7 @@ from rlconform.reference_impl.served import unpack_columns
 from rlconform.reference_impl.trainer import TrainerSettings
 
 from ._check import assert_batch_equal
+from ._prompts import for_trainer
 
 FAMILIES = ("qwen2_vl", "smolvlm")  # M-RoPE with dim-0 patches; dim-1 tiles
 # one rollout per family: images per prompt (2, 1, 0, 0), two samples per prompt ->
@@ -106,8 +107,8 @@ class RankRuns:
             prompts = [p for p in prompts for _ in range(GROUP)]
             images = [i for i in images for _ in range(GROUP)]
             engine = HFRollout(build_family(family), self.settings(family))
-            self.batches[family] = engine.generate(prompts, images, MAX_NEW_TOKENS,
-                                                   seed=self.seed)
+            batch = engine.generate(prompts, images, MAX_NEW_TOKENS, seed=self.seed)
+            self.batches[family] = for_trainer(self.trainer, batch, prompts, images)
         return self.batches[family]
 
     def group(self, world: int, settings, transport, codec):

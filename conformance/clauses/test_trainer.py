@@ -28,6 +28,7 @@ from rlconform.conformance.clauses._gc import new_trainer
 from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, legacy_step
 from rlconform.reference_impl.packed import PackedTensor
+from rlconform.reference_impl.prompts import with_prompts
 from rlconform.reference_impl.recording import (
     RecordingTransport,
     media_mismatches,
@@ -68,15 +69,17 @@ class Rollouts:
     _shared: dict = {}
 
     @classmethod
-    def shared(cls, device: str, dtype: torch.dtype, seed: int) -> Rollouts:
-        """One cache per process for every trainer clause module."""
-        key = (device, dtype, seed)
+    def shared(cls, device: str, dtype: torch.dtype, seed: int,
+               prompts: bool = False) -> Rollouts:
+        """One cache per process for every trainer clause module. `prompts`: the batches carry
+        each row's `raw_prompt` (the trainer reads it: clauses/_prompts.py)."""
+        key = (device, dtype, seed, prompts)
         if key not in cls._shared:
-            cls._shared[key] = cls(device, dtype, seed)
+            cls._shared[key] = cls(device, dtype, seed, prompts)
         return cls._shared[key]
 
-    def __init__(self, device: str, dtype: torch.dtype, seed: int):
-        self.device, self.dtype, self.seed = device, dtype, seed
+    def __init__(self, device: str, dtype: torch.dtype, seed: int, prompts: bool = False):
+        self.device, self.dtype, self.seed, self.prompts = device, dtype, seed, prompts
         self._engines: dict = {}
         self._batches: dict = {}
 
@@ -108,6 +111,8 @@ class Rollouts:
                 # weights would sit beside the trainers the tests build (Gemma3-4B: 8.6 GB of
                 # a worker's 88 GB peak, which left its neighbour out of memory on an H200)
                 engine.model.to("cpu")
+            if self.prompts:
+                batch = with_prompts(batch, prompts, images)
             self._batches[key] = (batch, prompts, images)
         return self._batches[key]
 

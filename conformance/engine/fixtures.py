@@ -179,19 +179,22 @@ def seed(request) -> int:
 
 
 @pytest.fixture(scope="module")
-def rollouts(device, dtype, seed):
-    """The trainer clauses' rollouts (test_trainer.Rollouts, shared per device, dtype and seed),
+def rollouts(backend, device, dtype, seed):
+    """The trainer clauses' rollouts (test_trainer.Rollouts, shared per device, dtype and seed;
+    with each row's `raw_prompt` where the backend's trainer reads prompts: clauses/_prompts.py),
     with one intra-op thread on CPU: hidden-64 models gain nothing from more, and on a busy
     2-core runner spinning worker threads made each step ~10x slower (logprobs are bitwise the
     same for any thread count, BACKGROUND.md s7)."""
     import torch
 
+    from rlconform.conformance.clauses._prompts import reads_prompts
     from rlconform.conformance.clauses.test_trainer import Rollouts
 
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
-    yield Rollouts.shared(device, dtype, seed)
+    yield Rollouts.shared(device, dtype, seed,
+                          backend.provides("trainer") and reads_prompts(backend.trainer))
     torch.set_num_threads(threads)
 
 
