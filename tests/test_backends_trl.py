@@ -140,6 +140,63 @@ def test_default_computes_no_old_or_reference_logprobs_and_forces_the_ratio():
     assert bool((legacy.train(given).metrics["probs_ratio"] == 1.0).all())
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])
+def test_trls_processor_call_takes_the_rows_prompt_text_and_images(family):
+    """TRL renders each row's prompt with the family's chat template and calls the processor
+    on it and the row's PIL images: exactly the rollout's prompt text, pixel-equal images, and
+    the per-token type maps it returns line up with the engine's left-padded prompt ids."""
+    import numpy as np
+
+    from rlconform.fixtures.families import build_family
+    from rlconform.fixtures.images import make_prompts
+    from rlconform.reference_impl.prompts import FIELD, prompt_rows
+
+    batch = rollout(family, (1, 2))  # no text-only rows: TRL's D1 (its old pass) stays out
+    fam = build_family(family)
+    trainer = load_backend(INDEPENDENT).trainer(TrainerSettings(family))
+    proc = trainer.trl_trainer.processing_class
+    calls = []
+    real = type(proc).__call__
+
+    def recording(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    type(proc).__call__ = recording
+    try:
+        assert trainer.compute_logprobs(batch, Stage.LOGPROB) is not None
+    finally:
+        type(proc).__call__ = real
+    with_images = [(kw, out) for kw, out in calls if kw.get("images") is not None]
+    assert len(with_images) == 1, f"{len(with_images)} processor calls with images"
+    kwargs, out = with_images[0]
+    prompts, images, _ = make_prompts(2, [1, 2], seed=0)
+    prompts = [p for p in prompts for _ in range(GROUP)]
+    images = [i for i in images for _ in range(GROUP)]
+    assert kwargs["text"] == [fam.prompt_text(p, len(i)) for p, i in zip(prompts, images)]
+    for got, want in zip(kwargs["images"], images):
+        assert [np.asarray(g).tolist() for g in got] == [np.asarray(w).tolist() for w in want]
+    assert [t for t, _ in prompt_rows(batch[FIELD])] == prompts
+    # the processor's ids are the engine's prompt ids, left padded as TRL pads them
+    ids, plens = batch["input_ids"], batch["prompt_lengths"]
+    width = int(plens.max())
+    for i in range(len(batch)):
+        p = int(plens[i])
+        assert out["input_ids"][i, width - p:].tolist() == ids[i, :p].tolist()
+
+
+def test_a_batch_with_images_and_no_raw_prompt_is_refused_in_either_media_form():
+    from rlconform.reference_impl.prompts import FIELD
+
+    bare = rollout("qwen2_vl", (1, 0)).without(FIELD)
+    trainer = load_backend(INDEPENDENT).trainer(TrainerSettings("qwen2_vl"))
+    for batch in (bare, bare.to_row_dicts("multi_modal_inputs")):
+        with pytest.raises(ValueError, match="needs each row's prompt text and images "
+                                             "\\(the 'raw_prompt' column"):
+            trainer.compute_logprobs(batch, Stage.LOGPROB)
+
+
 @pytest.mark.parametrize("family,images", [("text", (0, 0, 0)), ("qwen2_vl", (1, 2)),
                                            ("llava_next", (1, 0, 2))])
 def test_independent_old_pass_earns_ratio_one_and_the_step_recomputes_its_own(family, images):

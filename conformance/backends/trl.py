@@ -265,6 +265,15 @@ def _num_images(batch, family) -> list[int] | None:
             for i in range(len(pv))]
 
 
+def _has_media(batch) -> bool:
+    """Whether any row holds media, in packed fields or per-row dicts."""
+    from rlconform.reference_impl.packed import PackedTensor
+
+    packed = batch.packed_form()
+    return any(isinstance(v, PackedTensor) and not all(v.is_none(i) for i in range(len(v)))
+               for v in packed.fields.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # What a TRL caller with its own engine holds: prompts, the engine's completions and logprobs
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +525,7 @@ class TRLCore:
         adv = batch.fields.get("advantages")
         if FIELD in batch.fields:
             held = prompt_rows(batch[FIELD])
-        elif _num_images(batch, self.family) is None:
+        elif not _has_media(batch):
             decode = self.family.tokenizer.decode
             held = [(decode(ids, skip_special_tokens=True), []) for ids in rows.prompt_ids]
         else:
