@@ -141,10 +141,11 @@ def test_default_computes_no_old_or_reference_logprobs_and_forces_the_ratio():
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm"])
-def test_trls_processor_call_takes_the_rows_prompt_text_and_images(family):
+def test_trls_processor_call_takes_the_rows_prompt_text_and_images(family, monkeypatch):
     """TRL renders each row's prompt with the family's chat template and calls the processor
     on it and the row's PIL images: exactly the rollout's prompt text, pixel-equal images, and
-    the per-token type maps it returns line up with the engine's left-padded prompt ids."""
+    ids equal to the engine's prompt ids, left padded (so the per-token type maps the call
+    returns line up with the prompts TRL pads)."""
     import numpy as np
 
     from rlconform.fixtures.families import build_family
@@ -163,11 +164,9 @@ def test_trls_processor_call_takes_the_rows_prompt_text_and_images(family):
         calls.append((kwargs, out))
         return out
 
-    type(proc).__call__ = recording
-    try:
-        assert trainer.compute_logprobs(batch, Stage.LOGPROB) is not None
-    finally:
-        type(proc).__call__ = real
+    monkeypatch.setattr(type(proc), "__call__", recording)
+    assert trainer.compute_logprobs(batch, Stage.LOGPROB) is not None
+    monkeypatch.undo()
     with_images = [(kw, out) for kw, out in calls if kw.get("images") is not None]
     assert len(with_images) == 1, f"{len(with_images)} processor calls with images"
     kwargs, out = with_images[0]

@@ -11,7 +11,7 @@ from PIL import Image
 
 from rlconform.fixtures.images import make_prompts
 from rlconform.reference_impl.batch import Batch
-from rlconform.reference_impl.codec import ReferenceCodec
+from rlconform.reference_impl.codec import ReferenceCodec, WireBatch
 from rlconform.reference_impl.dataplane import InMemoryDataPlane
 from rlconform.reference_impl.prompts import FIELD, prompt_column, prompt_rows, with_prompts
 from rlconform.reference_impl.registry import Stage, stage_fields
@@ -64,8 +64,6 @@ def test_the_reference_codec_and_data_plane_carry_the_column_exactly():
     keys = ["a", "b", "c"]
     store.put("p", keys, wire.columns, wire.tags)
     cols, tags = store.get("p", keys, select_fields=list(wire.columns))
-    from rlconform.reference_impl.codec import WireBatch
-
     back = codec.decode(WireBatch(cols, tags))
     assert back[FIELD] == batch[FIELD]
     _same(prompt_rows(back[FIELD]), prompts, images)
