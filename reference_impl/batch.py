@@ -68,6 +68,23 @@ class Batch:
     def names(self, kind: Kind) -> list[str]:
         return [n for n in self.fields if spec(n).kind is kind]
 
+    def media_objects(self) -> list[str]:
+        """The object fields that hold media as per-row dicts (not `raw_prompt`, the one object
+        field that is not media: reference_impl/prompts.py)."""
+        return [n for n in self.names(Kind.OBJECT) if spec(n).multimodal]
+
+    def completion_starts(self) -> list[int]:
+        """Where each row's completion starts: its first loss token (`token_mask`), or its
+        length where it has none (the prompt is everything before)."""
+        if "token_mask" not in self.fields:
+            raise ValueError("the batch has no 'token_mask' (1 on the completion tokens the "
+                             "loss takes): its rows' prompt / completion split is unknown")
+        mask, out = self.fields["token_mask"], []
+        for i, n in enumerate(self.seq_lens.tolist()):
+            hits = mask[i, :n].nonzero()
+            out.append(int(hits[0, 0]) if len(hits) else int(n))
+        return out
+
     def seq_len(self) -> int:
         per_token = self.names(Kind.PER_TOKEN)
         if not per_token:
@@ -233,7 +250,7 @@ class Batch:
         lens = self.seq_lens
         if lens.dim() != 1:
             raise ValueError(f"field 'input_lengths' must be 1-D [B], got {list(lens.shape)}")
-        seq = None
+        seq, media = None, self.media_objects()
         for name, v in self.fields.items():
             fs = spec(name)
             want = _HOLDER[fs.kind]
@@ -249,7 +266,7 @@ class Batch:
             rows = len(v) if isinstance(v, (PackedTensor, ObjectColumn)) else int(v.shape[0])
             if rows != b:
                 raise ValueError(f"field {name!r} has {rows} rows, expected {b} (batch size)")
-            if fs.kind is Kind.OBJECT and fs.multimodal:  # a media dict (raw_prompt is not)
+            if name in media:
                 self._check_object(name, v)
             if fs.kind is Kind.PER_TOKEN:
                 if v.dim() < 2:
@@ -369,9 +386,8 @@ class Batch:
     def packed_form(self) -> Batch:
         """Every media object field converted back to packed fields (`from_row_dicts`)."""
         out = self
-        for name in self.names(Kind.OBJECT):
-            if spec(name).multimodal:
-                out = out.from_row_dicts(name)
+        for name in self.media_objects():
+            out = out.from_row_dicts(name)
         return out
 
     # -- model inputs -------------------------------------------------------------------

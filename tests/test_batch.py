@@ -63,6 +63,18 @@ class TestBatch:
         with pytest.raises(error, match=message):
             CODEC.encode(bad)
 
+    def test_completion_starts_at_each_rows_first_loss_token(self):
+        b = qwen()
+        mask = torch.zeros_like(b["token_mask"])
+        lens = b.seq_lens.tolist()
+        mask[0, 2:lens[0]] = True
+        mask[1, lens[1] - 1] = True
+        mask[3, 0] = True
+        mask[2, lens[2]:] = True  # beyond row 2's length: not its tokens, so no completion
+        assert b.replace(token_mask=mask).completion_starts() == [2, lens[1] - 1, lens[2], 0]
+        with pytest.raises(ValueError, match="no 'token_mask'"):
+            b.without("token_mask").completion_starts()
+
     def test_validate_input_lengths_beyond_sequence(self):
         b = qwen()
         bad = b.replace(input_lengths=b.seq_lens + 100)

@@ -305,10 +305,8 @@ def engine_rows(batch, pad_id: int) -> EngineRows:
     ids, mask, lens = batch["input_ids"], batch["token_mask"], batch.seq_lens
     gen = batch.fields.get("generation_logprobs")
     out = EngineRows([], [], [], None if gen is None else [], [], [])
-    for i in range(len(batch)):
+    for i, start in enumerate(batch.completion_starts()):
         n = int(lens[i])
-        loss = mask[i, :n].nonzero()
-        start = int(loss[0]) if len(loss) else n
         completion, env = ids[i, start:n].tolist(), mask[i, start:n].long().tolist()
         logp = None if gen is None else gen[i, start:n].float().tolist()
         out.starts.append(start)

@@ -228,15 +228,11 @@ _VERL_OWN = ("prompts", "responses", "loss_mask", "metrics", "extra_fields")
 
 def _prompt_lengths(batch, lens: list[int]) -> list[int]:
     """Each row's prompt length: `prompt_lengths` where the batch has it, else the tokens
-    before the row's first loss token (`token_mask`), else 0."""
+    before the row's first loss token (`Batch.completion_starts`), else 0."""
     if "prompt_lengths" in batch.fields:
         out = [int(p) for p in batch["prompt_lengths"].tolist()]
     elif "token_mask" in batch.fields:
-        tm = batch["token_mask"]
-        out = []
-        for i, n in enumerate(lens):
-            hits = tm[i, :n].nonzero()
-            out.append(int(hits[0, 0]) if len(hits) else n)
+        out = batch.completion_starts()
     else:
         out = [0] * len(lens)
     for i, (p, n) in enumerate(zip(out, lens)):

@@ -238,15 +238,17 @@ def test_trainer_passes_leave_global_state_alone(backend, transport, codec, meta
 
 # -- rollout ----------------------------------------------------------------------------------
 @pytest.mark.clause("GEN-NO-GLOBAL-EFFECTS")
-def test_engine_operations_leave_global_state_alone(backend, rollouts, record_metric):
+def test_engine_operations_leave_global_state_alone(backend, device, dtype, seed,
+                                                     record_metric):
     """generate (a group of identical requests, a row without media, a cap of 0) and refit."""
     from rlconform.conformance.backends.reference import backend as reference
     from rlconform.fixtures.families import build_family
     from rlconform.fixtures.images import make_prompts
+    from rlconform.reference_impl.trainer import TrainerSettings
 
     watch = _Watch(backend, "rollout")
     make = backend.rollout if backend.provides("rollout") else reference.rollout
-    settings = rollouts.settings(FAMILY)
+    settings = TrainerSettings(FAMILY, dtype=dtype, device=device, seed=seed)
     family = build_family(FAMILY)
     engine = make(family, settings)
     prompts, images, _ = make_prompts(2, [1, 0], seed=settings.seed)
