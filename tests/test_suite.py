@@ -840,6 +840,8 @@ def test_the_surfaces_a_clause_touches_cover_every_surface_fixture_its_tests_req
     assert not missing, missing[:10]
     assert set(derived["TRAIN-RATIO-ONE"]) >= {"transport", "codec", "meta", "trainer"}
     assert "trainer" in derived["RANK-DP-PARITY"]  # built in the rank processes: backend.trainer
+    # the engine's global-effects test builds no trainer and asks nothing of one
+    assert derived["GEN-NO-GLOBAL-EFFECTS"] == ("rollout",)
 
 
 def test_a_backend_from_the_reference_lends_the_surfaces_it_did_not_replace():
