@@ -57,7 +57,7 @@ from urllib.parse import quote, unquote
 import torch
 
 from rlconform.conformance.backend import Backend, StoreUnreachable
-from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
+from rlconform.reference_impl.dataplane import check_get, check_name, check_names, check_tags
 
 URL_ENV = "RLCONFORM_REDIS_URL"
 
@@ -227,11 +227,7 @@ class RedisTransport:
 
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
             ) -> tuple[dict, list[dict]]:
-        if select_fields is None:
-            raise TypeError("get requires select_fields: name the fields to fetch")
-        check_name("partition", partition)
-        keys = [check_name("key", k) for k in keys]
-        fields = [check_name("field", f) for f in select_fields]
+        keys, fields = check_get(partition, keys, select_fields)
         layouts = self._layouts(partition)
         for f in fields:
             if f not in layouts:

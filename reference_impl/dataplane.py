@@ -76,6 +76,15 @@ def check_names(what: str, names) -> list[str]:
     return out
 
 
+def check_get(partition, keys, select_fields) -> tuple[list[str], list[str]]:
+    """`get`'s arguments checked as the contract asks (select_fields required, every name
+    valid): the keys and field names as lists. One rule for every store that serves `get`."""
+    if select_fields is None:
+        raise TypeError("get requires select_fields: name the fields to fetch")
+    check_name("partition", partition)
+    return [check_name("key", k) for k in keys], [check_name("field", f) for f in select_fields]
+
+
 def check_tags(tags, n: int) -> None:
     """Raise unless `tags` is None or `n` tags the contract allows (see MAX_TAG_DEPTH above);
     the message names the row and the path inside its tag."""
@@ -438,11 +447,7 @@ class InMemoryDataPlane:
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
             ) -> tuple[dict[str, Tensor], list[dict]]:
         self._check_open()
-        if select_fields is None:
-            raise TypeError("get requires select_fields: name the fields to fetch")
-        check_name("partition", partition)
-        keys = [check_name("key", k) for k in keys]
-        select_fields = [check_name("field", f) for f in select_fields]
+        keys, select_fields = check_get(partition, keys, select_fields)
         part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:

@@ -24,7 +24,13 @@ from collections.abc import Iterator, Sequence
 
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
-from rlconform.reference_impl.dataplane import check_name, check_names, check_tags, copy_tags
+from rlconform.reference_impl.dataplane import (
+    check_get,
+    check_name,
+    check_names,
+    check_tags,
+    copy_tags,
+)
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_RAY_TIMEOUT_S", "60"))
 INDEX_NAMESPACE = "rlconform"  # the index actors are named, so a rank process can find one
@@ -308,11 +314,7 @@ class RayObjectStoreTransport:
 
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
             ) -> tuple[dict, list[dict]]:
-        if select_fields is None:
-            raise TypeError("get requires select_fields: name the fields to fetch")
-        check_name("partition", partition)
-        keys = [check_name("key", k) for k in keys]
-        fields = [check_name("field", f) for f in select_fields]
+        keys, fields = check_get(partition, keys, select_fields)
         located, refs, tags = self._ask("locate", partition, keys, fields)
         blocks = self._wait([r[0] for r in refs], "block fetch") if refs else []
         if not keys:

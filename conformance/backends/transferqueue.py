@@ -37,7 +37,7 @@ from pathlib import Path
 from rlconform.conformance.backend import Backend, package_version
 from rlconform.conformance.backends import _procs
 from rlconform.conformance.catalogue import CLAUSES
-from rlconform.reference_impl.dataplane import check_name, check_names, check_tags
+from rlconform.reference_impl.dataplane import check_get, check_name, check_names, check_tags
 
 LAYOUT_TAG = "__rlconform_layout__:"
 DEFAULT_TIMEOUT_S = float(os.environ.get("RLCONFORM_TQ_TIMEOUT_S", "60"))
@@ -165,11 +165,7 @@ class TransferQueueTransport:
 
     def get(self, partition: str, keys: Sequence[str], select_fields: Sequence[str] | None = None
             ) -> tuple[dict, list[dict]]:
-        if select_fields is None:
-            raise TypeError("get requires select_fields: name the fields to fetch")
-        check_name("partition", partition)
-        keys = [check_name("key", k) for k in keys]
-        fields = [check_name("field", f) for f in select_fields]
+        keys, fields = check_get(partition, keys, select_fields)
         try:
             data = self._call(self._tq.async_kv_batch_get(
                 keys=keys, partition_id=self._pid(partition), select_fields=fields),

@@ -299,13 +299,15 @@ def engine_rows(batch, pad_id: int) -> EngineRows:
     `token_mask`; a row without one has an empty completion). An empty completion goes to TRL
     as one pad token outside `env_mask` (NORMALISATIONS: `GRPOTrainer._generate` reads
     `ids[-1]` of every completion and raises IndexError on an empty one)."""
-    if "token_mask" not in batch.fields:
+    try:
+        starts = batch.completion_starts()
+    except ValueError as exc:
         raise ValueError("TRL's generation batch needs each row's prompt / completion split: "
-                         "the batch has no token_mask (1 on the completion tokens the loss takes)")
+                         f"{exc}") from exc
     ids, mask, lens = batch["input_ids"], batch["token_mask"], batch.seq_lens
     gen = batch.fields.get("generation_logprobs")
     out = EngineRows([], [], [], None if gen is None else [], [], [])
-    for i, start in enumerate(batch.completion_starts()):
+    for i, start in enumerate(starts):
         n = int(lens[i])
         completion, env = ids[i, start:n].tolist(), mask[i, start:n].long().tolist()
         logp = None if gen is None else gen[i, start:n].float().tolist()

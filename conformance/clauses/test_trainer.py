@@ -25,10 +25,10 @@ from rlconform.conformance.catalogue.trainer import (
 )
 from rlconform.conformance.clauses._check import expect_accepted
 from rlconform.conformance.clauses._gc import new_trainer
+from rlconform.conformance.clauses._prompts import for_trainer, reads_prompts
 from rlconform.conformance.engine.items import NA_PREFIX
 from rlconform.reference_impl.grpo import dataplane_step, legacy_step
 from rlconform.reference_impl.packed import PackedTensor
-from rlconform.reference_impl.prompts import with_prompts
 from rlconform.reference_impl.recording import (
     RecordingTransport,
     media_mismatches,
@@ -70,16 +70,18 @@ class Rollouts:
 
     @classmethod
     def shared(cls, device: str, dtype: torch.dtype, seed: int,
-               prompts: bool = False) -> Rollouts:
-        """One cache per process for every trainer clause module. `prompts`: the batches carry
-        each row's `raw_prompt` (the trainer reads it: clauses/_prompts.py)."""
-        key = (device, dtype, seed, prompts)
+               make_trainer=None) -> Rollouts:
+        """One cache per process for every trainer clause module: the batches are handed over
+        as the driver hands them to trainers of `make_trainer` (clauses/_prompts.py decides,
+        so one cache serves every factory that decides alike)."""
+        key = (device, dtype, seed, reads_prompts(make_trainer))
         if key not in cls._shared:
-            cls._shared[key] = cls(device, dtype, seed, prompts)
+            cls._shared[key] = cls(device, dtype, seed, make_trainer)
         return cls._shared[key]
 
-    def __init__(self, device: str, dtype: torch.dtype, seed: int, prompts: bool = False):
-        self.device, self.dtype, self.seed, self.prompts = device, dtype, seed, prompts
+    def __init__(self, device: str, dtype: torch.dtype, seed: int, make_trainer=None):
+        self.device, self.dtype, self.seed = device, dtype, seed
+        self.make_trainer = make_trainer
         self._engines: dict = {}
         self._batches: dict = {}
 
@@ -111,8 +113,7 @@ class Rollouts:
                 # weights would sit beside the trainers the tests build (Gemma3-4B: 8.6 GB of
                 # a worker's 88 GB peak, which left its neighbour out of memory on an H200)
                 engine.model.to("cpu")
-            if self.prompts:
-                batch = with_prompts(batch, prompts, images)
+            batch = for_trainer(self.make_trainer, batch, prompts, images)
             self._batches[key] = (batch, prompts, images)
         return self._batches[key]
 

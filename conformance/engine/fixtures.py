@@ -187,14 +187,13 @@ def rollouts(backend, device, dtype, seed):
     same for any thread count, BACKGROUND.md s7)."""
     import torch
 
-    from rlconform.conformance.clauses._prompts import reads_prompts
     from rlconform.conformance.clauses.test_trainer import Rollouts
 
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
     yield Rollouts.shared(device, dtype, seed,
-                          backend.provides("trainer") and reads_prompts(backend.trainer))
+                          backend.trainer if backend.provides("trainer") else None)
     torch.set_num_threads(threads)
 
 
