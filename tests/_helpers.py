@@ -1,6 +1,10 @@
-"""Batches, tensors and settings that the tests of the reference core share."""
+"""Batches, tensors and settings that the tests of the reference core share, and the
+noxfile as a module."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -51,3 +55,16 @@ def through_transport(wire: WireBatch) -> WireBatch:
 def ragged(n: int) -> list[RowPlan]:
     return [RowPlan(1 + (3 * i) % 9, images=[1 + i % 4] * (i % 3), videos=[1 + i % 2] * (i % 2))
             for i in range(n)]
+
+
+@functools.cache
+def load_noxfile():
+    """The repository's noxfile as a module, loaded once per process: nox registers its
+    sessions on import, and a second registration is an error in coming nox releases."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "noxfile.py"
+    spec = importlib.util.spec_from_file_location("rlconform_noxfile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

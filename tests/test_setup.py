@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import load_noxfile
 
 from rlconform.reference_impl import dataplane
 from rlconform.reference_impl.dataplane import InMemoryDataPlane, copy_tags, gather
@@ -283,21 +284,10 @@ class _Session:
         self.warnings.append(msg)
 
 
-@functools.cache
-def _load_noxfile():
-    """Loaded once: nox registers the sessions on import, and twice is an error."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rlconform_noxfile", ROOT / "noxfile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def noxfile(monkeypatch):
     pytest.importorskip("nox")
-    mod = _load_noxfile()
+    mod = load_noxfile()
     monkeypatch.setattr(mod, "DEBIAN", {
         "present-pkg": (lambda: True, "already here"),
         "missing-pkg": (lambda: False, "the widget test")})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import load_noxfile
 
 from rlconform.conformance import catalogue
 from rlconform.conformance.backend import Backend
@@ -295,11 +296,7 @@ def test_bench_loads_the_backend_before_measuring():
 
 
 def test_nox_takes_an_out_of_tree_backends_requirements(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rlconform_noxfile_req", ROOT / "noxfile.py")
-    nox_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nox_mod)
+    nox_mod = load_noxfile()
 
     class S:
         posargs = ["--backend", "my_pkg.adapter:backend", "--requirements", "redis,./my_pkg",
