@@ -8,7 +8,7 @@ Run it through the suite with
 contract: provide the surface as a factory, declare capabilities, record at put time what get
 needs to give every column back in the layout it was written (one layout per partition and
 field: a put in another layout is refused), and refuse the names and tags the contract refuses
-(its own validators, `check_name` / `check_tags`). examples/redis_store.py is the same on a
+(its own validators, `check_name` / `check_get` / `check_tags`). examples/redis_store.py is the same on a
 persistent store; docs/writing-a-transport.md walks through both.
 """
 
@@ -22,6 +22,7 @@ import torch
 from rlconform.conformance.backend import Backend
 from rlconform.reference_impl.dataplane import (
     JAGGED,
+    check_get,
     check_name,
     check_names,
     check_tags,
@@ -81,11 +82,7 @@ class BytesTransport:
             ptags.setdefault(k, {}).update(copy.deepcopy(tags[i]) if tags else {})
 
     def get(self, partition, keys, select_fields):
-        check_name("partition", partition)
-        keys = [check_name("key", k) for k in keys]
-        if select_fields is None:  # refused arguments before any lookup
-            raise TypeError("select_fields is None: name the fields to get (a list of str)")
-        names = [check_name("field", f) for f in select_fields]
+        keys, names = check_get(partition, keys, select_fields)  # refused before any lookup
         part = self._rows.get(partition, {})
         missing = [k for k in keys if k not in part]
         if missing:
